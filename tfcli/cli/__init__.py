@@ -1,0 +1,43 @@
+"""The command-line interface: commands are wired here; each lives in its own module."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from tfcli import __version__
+from tfcli.cli._common import TfcliGroup
+from tfcli.cli.config_cmd import config
+from tfcli.cli.presets_cmd import presets
+
+app = typer.Typer(
+    cls=TfcliGroup,
+    name="tfcli",
+    help="Build any configured Transformer and inspect it: parameters, shapes, masks, cost.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tfcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_version, is_eager=True, help="Show the version and exit.")] = None,
+) -> None:
+    """Build any configured Transformer and inspect it: parameters, shapes, masks, cost."""
+
+
+app.command("presets")(presets)
+app.command("config")(config)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,82 @@
+"""Shared CLI pieces: model-selection options, output helpers and the one place where errors
+are presented (one line on stderr, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from tfcli.errors import TfcliError
+
+# typer >= 0.29 vendors click; its exception types are not re-exported at the top level.
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
+
+def _preset_names() -> list[str]:
+    from tfcli.presets import PRESETS
+
+    return list(PRESETS)
+
+
+PresetOpt = Annotated[Optional[str], typer.Option(
+    "--preset", "-p", metavar="NAME", autocompletion=_preset_names, show_default=False,
+    help="Named preset (see `tfcli presets`). Default: vaswani-base.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", metavar="FILE", show_default=False,
+    help="TOML or JSON file of flat key = value overrides, applied after the preset.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", "-s", metavar="KEY=VALUE", show_default=False,
+    help="Override one field, e.g. --set d_model=256 (repeatable; applied last).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout.")]
+
+
+def resolve_config(preset: str | None, config: Path | None, overrides: list[str] | None):
+    from tfcli.config import load_config
+
+    return load_config(preset, config, overrides or [])
+
+
+def stdout() -> Console:
+    """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals."""
+    return Console(soft_wrap=False)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def fail(message: str) -> int:
+    typer.echo(f"tfcli: error: {message}", err=True)
+    return 2
+
+
+class TfcliGroup(TyperGroup):
+    """Runs the command and turns every user error into one line on stderr and exit code 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except TfcliError as err:
+            code = fail(str(err))
+        except NoArgsIsHelpError as err:
+            if err.format_message().strip():  # Rich help is printed while the error is built
+                typer.echo(err.format_message())
+            code = 0
+        except UsageError as err:
+            where = err.ctx.command_path if err.ctx is not None else "tfcli"
+            code = fail(f"{err.format_message()} (see '{where} --help')")
+        except ClickException as err:
+            code = fail(err.format_message())
+        except typer.Abort:
+            typer.echo("tfcli: aborted", err=True)
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code

@@ -1,0 +1,113 @@
+"""Attention masks as small pure functions, in one convention: boolean, ``True`` = may attend
+(as ``F.scaled_dot_product_attention``).
+
+Shapes (legend: B batch, S source length, T target length, h heads):
+  validity vectors  [B, L]        True = a real token, False = padding
+  key masks         [B, 1, 1, S]  broadcast over heads and queries
+  causal masks      [T, T]        lower triangle including the diagonal
+  attention masks   [B, 1, Q, K]  broadcast over heads onto scores [B, h, Q, K]
+
+The model builds its masks with these functions, and ``tfcli masks`` prints the same ones.
+Conversion to other conventions happens only at a boundary, in :func:`to_convention`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tfcli.errors import InputError
+
+Convention = Literal["bool-allowed", "bool-blocked", "keep-01", "additive"]
+CONVENTIONS: dict[str, str] = {
+    "bool-allowed": "bool, True = may attend (F.scaled_dot_product_attention)",
+    "bool-blocked": "bool, True = blocked (nn.MultiheadAttention, nn.Transformer)",
+    "keep-01": "int, 1 = keep, 0 = blocked (many tutorials: masked_fill(mask == 0, -inf))",
+    "additive": "float, 0 = may attend, -inf = blocked (added to the scores)",
+}
+
+
+def valid_from_lengths(lengths: Tensor | list[int], max_len: int | None = None) -> Tensor:
+    """[B] lengths -> [B, L] validity (True for the first ``length`` positions)."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or (lengths < 0).any():
+        raise InputError(f"lengths {lengths.tolist()}: expected a list of non-negative integers")
+    max_len = int(lengths.max()) if max_len is None else max_len
+    if int(lengths.max()) > max_len:
+        raise InputError(f"lengths {lengths.tolist()}: a length exceeds the padded length {max_len}")
+    return torch.arange(max_len, device=lengths.device) < lengths[:, None]
+
+
+def valid_from_ids(ids: Tensor, pad_id: int) -> Tensor:
+    """[B, L] token ids -> [B, L] validity (False where the id is ``pad_id``)."""
+    return ids != pad_id
+
+
+def causal(size: int, device: torch.device | str | None = None) -> Tensor:
+    """[T, T]: query i may attend to keys 0..i (itself and the past)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril()
+
+
+def key_padding(valid: Tensor) -> Tensor:
+    """[B, S] validity -> [B, 1, 1, S]: every query may attend to every real key."""
+    return valid[:, None, None, :]
+
+
+def and_masks(*masks: Tensor | None) -> Tensor | None:
+    """Combine masks by AND (broadcasting); ``None`` means "no restriction"."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    out = present[0]
+    for m in present[1:]:
+        out = out & m
+    return out
+
+
+def self_attention_mask(valid: Tensor | None, is_causal: bool, length: int,
+                        device: torch.device | str | None = None) -> Tensor | None:
+    """Encoder (padding) or decoder (causal AND padding) self-attention mask, [B|1, 1, L, L]."""
+    return and_masks(
+        causal(length, device)[None, None] if is_causal else None,
+        key_padding(valid) if valid is not None else None,
+    )
+
+
+def cross_attention_mask(src_valid: Tensor | None) -> Tensor | None:
+    """Decoder queries x encoder keys: only source padding restricts, [B, 1, 1, S]."""
+    return key_padding(src_valid) if src_valid is not None else None
+
+
+def guard_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A query row with no allowed key would softmax to NaN. Let such rows attend everywhere
+    (so no NaN arises, forward or backward) and return which rows to zero afterwards."""
+    empty = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty, empty
+
+
+def to_convention(mask: Tensor, convention: Convention, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The one boundary between tfcli's convention and the others (see :data:`CONVENTIONS`)."""
+    if convention == "bool-allowed":
+        return mask
+    if convention == "bool-blocked":
+        return ~mask
+    if convention == "keep-01":
+        return mask.to(torch.int64)
+    if convention == "additive":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    raise InputError(f"convention {convention!r}: choose one of {', '.join(CONVENTIONS)}")
+
+
+def from_convention(mask: Tensor, convention: Convention) -> Tensor:
+    """Inverse of :func:`to_convention`: back to bool, True = may attend."""
+    if convention == "bool-allowed":
+        return mask.bool()
+    if convention == "bool-blocked":
+        return ~mask.bool()
+    if convention == "keep-01":
+        return mask != 0
+    if convention == "additive":
+        return mask == 0
+    raise InputError(f"convention {convention!r}: choose one of {', '.join(CONVENTIONS)}")
