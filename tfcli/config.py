@@ -11,7 +11,6 @@ The defaults are the paper's base model (Vaswani et al. 2017, Table 3), so ``Con
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import tomllib
@@ -20,7 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from tfcli.errors import ConfigError
+from tfcli.errors import ConfigError, did_you_mean
 
 Activation = Literal["relu", "gelu"]
 NormPlacement = Literal["post", "pre"]
@@ -183,9 +182,7 @@ def _check_type(name: str, value: Any) -> None:
     allowed = _allowed_values(name)
     if allowed is not None:
         if value not in allowed:
-            close = difflib.get_close_matches(str(value), allowed, n=1)
-            hint_text = f" (did you mean {close[0]!r}?)" if close else ""
-            _fail(name, value, f"must be one of {', '.join(allowed)}{hint_text}")
+            _fail(name, value, f"must be one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}")
     elif hint is bool:
         if not isinstance(value, bool):
             _fail(name, value, "must be true or false")
@@ -206,9 +203,7 @@ def _check_type(name: str, value: Any) -> None:
 
 def _check_key(key: str, source: str) -> None:
     if key not in FIELDS:
-        close = difflib.get_close_matches(key, FIELDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown configuration key {key!r} in {source}{hint}")
+        raise ConfigError(f"unknown configuration key {key!r} in {source}{did_you_mean(key, FIELDS)}")
 
 
 def _coerce_number(name: str, value: Any) -> Any:

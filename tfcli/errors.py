@@ -16,3 +16,13 @@ class ConfigError(TfcliError, ValueError):
 
 class InputError(TfcliError, ValueError):
     """A tensor passed to the model does not fit its configuration."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    import difflib
+
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1) or [
+        c for c in choices if c.startswith(word) or word.startswith(c)][:1]
+    return f" (did you mean {close[0]!r}?)" if close and word else ""

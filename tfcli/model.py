@@ -238,7 +238,7 @@ class Transformer(nn.Module):
         if (src is None) == (self.encoder is not None) or (tgt is None) == (self.decoder is not None):
             wants = {"encoder-decoder": "src and tgt", "decoder-only": "tgt only",
                      "encoder-only": "src only"}[kind]
-            raise InputError(f"a {kind} model takes {wants}")
+            raise InputError(f"this {kind} model takes {wants}")
         memory = self.encode(src, src_valid) if self.encoder is not None else None
         if self.decoder is None:
             return memory

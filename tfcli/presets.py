@@ -7,12 +7,11 @@ checks exactly are given in the descriptions.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from tfcli.config import Config
-from tfcli.errors import ConfigError
+from tfcli.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -75,9 +74,8 @@ DEFAULT_PRESET = "vaswani-base"
 def preset_values(name: str) -> dict[str, Any]:
     """The full field values of preset ``name`` (defaults plus its overrides)."""
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown preset {name!r}{hint}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     return {**defaults, **PRESETS[name].overrides}
 
