@@ -247,7 +247,28 @@ class Transformer(nn.Module):
 
 def build_model(cfg: Config, device: str | torch.device = "cpu",
                 dtype: torch.dtype | None = None) -> Transformer:
-    """Build ``cfg``. On ``device="meta"`` nothing is allocated or computed: shapes only."""
-    with torch.device(device):
-        model = Transformer(cfg)
-    return model.to(dtype) if dtype is not None else model
+    """Build ``cfg``. On ``device="meta"`` nothing is allocated or computed: shapes only.
+    ``dtype`` (floating) is used for every parameter and buffer as they are created, so no
+    conversion pass is needed (one is impossible under fake tensors)."""
+    previous = torch.get_default_dtype()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with torch.device(device):
+            return Transformer(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def example_inputs(cfg: Config, batch_size: int, src_len: int, tgt_len: int,
+                   device: str | torch.device = "cpu", seed: int = 0) -> dict[str, Tensor | None]:
+    """Random ``src`` / ``tgt`` for ``cfg``: token ids, or embeddings when a vocabulary is 0."""
+    g = torch.Generator().manual_seed(seed)
+
+    def side(vocab: int, length: int) -> Tensor:
+        if vocab:
+            return torch.randint(0, vocab, (batch_size, length), generator=g).to(device)
+        return torch.randn(batch_size, length, cfg.d_model, generator=g).to(device)
+
+    return {"src": side(cfg.src_vocab_size, src_len) if cfg.has_encoder else None,
+            "tgt": side(cfg.tgt_vocab_size, tgt_len) if cfg.has_decoder else None}

@@ -1,0 +1,247 @@
+"""Memory: real peaks from the profiler, and activation estimates without allocating anything.
+
+``simulate_training_step`` replays one forward+backward on fake tensors (torch's FakeTensorMode:
+tensors that claim a real device but carry no data), so the same kernels are chosen as on the
+real device (e.g. CPU flash attention with dropout 0, the math path with dropout > 0), and
+tracks every storage that comes alive or dies. Its peak equals the CPU profiler's measured peak
+on the configurations the tests check. Nothing is allocated: a 7B model costs nothing to ask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tfcli.attention import Attend
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16, "int8": torch.int8}
+
+
+def dtype_bytes(name: str) -> int:
+    return torch.empty((), dtype=DTYPES[name]).element_size()
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Counts bytes of storages created by ops and still alive; keeps the running peak."""
+
+    def __init__(self, existing: list[Tensor]) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen = {id(t.untyped_storage()) for t in existing}  # weights, buffers, inputs
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._seen:  # a view of a live storage allocates nothing
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+class _SavedTensors:
+    """Records each distinct storage autograd saves for backward, with the module saving it."""
+
+    def __init__(self, model: nn.Module, existing: list[Tensor]) -> None:
+        # id(storage) -> (bytes, kind). Holding the storage objects themselves would keep their
+        # memory alive through backward and inflate the peak being measured.
+        self.by_storage: dict[int, tuple[int, str]] = {}
+        self._existing = {id(t.untyped_storage()) for t in existing}
+        self._stack: list[tuple[nn.Module, tuple[int, int] | None]] = []
+        self._handles = []
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, module: nn.Module, args) -> None:
+        lengths = None
+        if isinstance(module, Attend):  # q [B, h, T, d_k], k [B, h, S, d_k]
+            lengths = (args[0].size(-2), args[1].size(-2))
+        self._stack.append((module, lengths))
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        self._stack.pop()
+
+    def pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in self._existing and id(storage) not in self.by_storage:
+            self.by_storage[id(storage)] = (storage.nbytes(), self._classify(t))
+        return t
+
+    def _classify(self, t: Tensor) -> str:
+        for module, lengths in reversed(self._stack):
+            if lengths is not None:
+                quadratic = t.dim() >= 2 and tuple(t.shape[-2:]) == lengths
+                return "attention matrices" if quadratic else "attention"
+        return "other"
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class ActivationEstimate:
+    peak_bytes: int  # live activations at the worst moment of forward+backward
+    saved_bytes: dict[str, int] = field(default_factory=dict)  # saved for backward, by kind
+
+    @property
+    def working_bytes(self) -> int:
+        """What backward needs beyond the saved tensors at the peak (gradients in flight)."""
+        return self.peak_bytes - sum(self.saved_bytes.values())
+
+
+def simulate_training_step(build: Callable[[], nn.Module],
+                           make_inputs: Callable[[], dict[str, Tensor]],
+                           loss: Callable[[Tensor], Tensor],
+                           autocast_dtype: torch.dtype | None = None,
+                           device: str = "cpu") -> ActivationEstimate:
+    """Peak activation bytes of ``loss(model(**inputs)).backward()`` with gradients already
+    allocated (they are accounted for separately), computed on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build().train()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        inputs = make_inputs()
+        existing = [*model.parameters(), *model.buffers(),
+                    *(p.grad for p in model.parameters() if p.grad is not None),
+                    *(t for t in inputs.values() if isinstance(t, Tensor))]
+        saved = _SavedTensors(model, existing)
+        live = _LiveStorages(existing)
+        # Autograd accumulates into .grad in place only when nothing else references it:
+        # keeping these references would make the replay take the out-of-place path.
+        del existing
+        amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        try:
+            with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                with amp:
+                    out = loss(model(**inputs))
+                sums: dict[str, int] = {}
+                for nbytes, kind in saved.by_storage.values():
+                    sums[kind] = sums.get(kind, 0) + nbytes
+                out.backward()
+                del out
+        finally:
+            saved.close()
+    return ActivationEstimate(live.peak, sums)
+
+
+def profile_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the CPU while ``fn`` runs, above what was allocated before:
+    the running maximum over the profiler's allocation events (tracemalloc sees none of them)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas: list[tuple[int, int]] = []
+
+    def walk(events) -> None:
+        for event in events:
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+                deltas.append((event.start_time_ns, event.extra_fields.alloc_size))
+            walk(event.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live = peak = 0
+    for _, size in sorted(deltas):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+# --- training memory ---------------------------------------------------------------------------
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
+_STATE_NAMES = {"adam": "exp_avg + exp_avg_sq", "adamw": "exp_avg + exp_avg_sq",
+                "sgd-momentum": "momentum buffer", "sgd": "no state"}
+
+
+@dataclass
+class MemoryLine:
+    name: str
+    bytes: int
+    how: str
+
+
+def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,
+                    mixed: str | None, activations: ActivationEstimate | None,
+                    activations_how: str = "") -> list[MemoryLine]:
+    """Weights, buffers, gradients, optimizer state and activations, each with how it is
+    computed. ``mixed`` (bf16/fp16) is torch.autocast: fp32 weights, grads and optimizer state;
+    half-precision copies live in the activations."""
+    wb = 4 if mixed else dtype_bytes(dtype)
+    wname = "fp32 (autocast keeps fp32 weights)" if mixed else dtype
+    lines = [MemoryLine("weights", total * wb, f"{total:,} parameters × {wb} B {wname}"),
+             MemoryLine("buffers", buffer_numel * wb, f"{buffer_numel:,} elements × {wb} B")]
+    if dtype == "int8" and not mixed:
+        return lines  # an inference format: no training lines
+    states = OPTIMIZER_STATES[optimizer]
+    lines += [
+        MemoryLine("gradients", trainable * wb, f"{trainable:,} trainable × {wb} B"),
+        MemoryLine("optimizer state", trainable * states * wb,
+                   f"{optimizer}: {_STATE_NAMES[optimizer]}, {states} × {trainable:,} × {wb} B"),
+    ]
+    if activations is not None:
+        quadratic = activations.saved_bytes.get("attention matrices", 0)
+        lines += [
+            MemoryLine("activations: attention matrices", quadratic,
+                       "saved [B, h, T, S] tensors (scores, weights, dropout masks): ∝ L²; "
+                       + activations_how),
+            MemoryLine("activations: other saved", sum(activations.saved_bytes.values()) - quadratic,
+                       "every other tensor saved for backward: ∝ L; " + activations_how),
+            MemoryLine("activations: backward working set", activations.working_bytes,
+                       "gradients in flight at the peak; " + activations_how),
+        ]
+    return lines
+
+
+def training_loss(cfg) -> tuple[Callable[[Tensor], Tensor], str]:
+    """The loss a training step would use: cross-entropy over the target vocabulary when the
+    model emits logits, else the mean square of the hidden states (a stand-in)."""
+    import torch.nn.functional as F
+
+    if cfg.has_output:
+        def loss(out: Tensor) -> Tensor:
+            targets = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+            return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
+        return loss, "cross-entropy loss"
+    return (lambda out: out.float().square().mean()), "mean-square loss on hidden states"
+
+
+def estimate_activations(cfg, batch_size: int, src_len: int, tgt_len: int, dtype: str = "fp32",
+                         mixed: str | None = None) -> tuple[ActivationEstimate, str]:
+    """Activation memory of one training step of ``cfg``, and a line saying how it was found."""
+    from tfcli.model import build_model, example_inputs
+
+    loss, loss_name = training_loss(cfg)
+    estimate = simulate_training_step(
+        lambda: build_model(cfg, "cpu", DTYPES[dtype] if dtype != "fp32" else None),
+        lambda: {k: v for k, v in example_inputs(cfg, batch_size, src_len, tgt_len).items()
+                 if v is not None},
+        loss, autocast_dtype=DTYPES[mixed] if mixed else None)
+    lengths = f"S={src_len}, T={tgt_len}" if cfg.kind == "encoder-decoder" else f"L={src_len}"
+    how = (f"fake-tensor replay of forward+backward with CPU kernels, B={batch_size}, {lengths}, "
+           f"{loss_name}" + (f", autocast {mixed}" if mixed else ""))
+    return estimate, how

@@ -1,0 +1,156 @@
+"""Where the parameters are: one record per module, tied weights counted once, buffers apart.
+
+Works on any ``nn.Module`` (built on the meta device, so nothing is allocated). Each unique
+parameter is owned by the first name ``named_parameters()`` gives it; its other names are
+aliases (``output.weight ≡ src_embed.token.weight``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from tfcli.errors import TfcliError
+
+KINDS = ("embedding", "attention", "ffn", "norm", "output", "other")
+
+
+@dataclass
+class LayerRow:
+    path: str  # "" is the model itself
+    type: str
+    depth: int  # path components, not counting ModuleList containers
+    params: int  # unique parameters in this module's subtree, counted at their owner
+    own_params: int  # parameters registered directly on this module
+    shape: dict[str, list[int]] = field(default_factory=dict)  # own parameter -> shape
+    trainable: bool | None = True  # None: some frozen, some not
+    shared_with: list[str] = field(default_factory=list)  # aliases of this module's parameters
+    container: bool = False  # a ModuleList/ModuleDict: grouping only
+
+
+@dataclass
+class BufferRow:
+    path: str
+    shape: list[int]
+    numel: int
+    dtype: str
+    persistent: bool
+
+
+@dataclass
+class ParamReport:
+    layers: list[LayerRow]
+    total_params: int
+    trainable_params: int
+    buffers: list[BufferRow]
+    aliases: list[list[str]]  # each: owner name first, then its other names
+    reused_modules: list[list[str]]  # one module object reachable under several paths
+    by_component: dict[str, int]
+    by_kind: dict[str, int]
+    check_total: int  # sum(p.numel() for p in model.parameters()), for the reconciliation line
+
+    @property
+    def non_trainable_params(self) -> int:
+        return self.total_params - self.trainable_params
+
+    @property
+    def buffer_numel(self) -> int:
+        return sum(b.numel for b in self.buffers)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["non_trainable_params"] = self.non_trainable_params
+        return data
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> None:
+    """Mark parameters frozen whose name, or any enclosing module path, matches a glob."""
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    for pattern in patterns:
+        def hit(name: str) -> bool:
+            parts = name.split(".")
+            return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern)
+                       for i in range(1, len(parts) + 1))
+
+        matched = [n for n in names if hit(n)]
+        if not matched:
+            tops = ", ".join(n for n, _ in model.named_children())
+            raise TfcliError(f"--freeze {pattern!r} matches no parameter; paths look like "
+                             f"'encoder.layers.0.self_attn' (top-level modules: {tops})")
+        for name in matched:
+            model.get_parameter(name).requires_grad_(False)
+
+
+def _kind(module_chain: list[nn.Module], top: str) -> str:
+    """Kind of a parameter, from the innermost module that says what it is."""
+    from tfcli.attention import MultiHeadAttention
+    from tfcli.model import Embeddings, FeedForward, ScalarLayerNorm
+
+    for module in reversed(module_chain):
+        if isinstance(module, (MultiHeadAttention, nn.MultiheadAttention)):
+            return "attention"
+        if isinstance(module, FeedForward):
+            return "ffn"
+        if isinstance(module, (nn.LayerNorm, ScalarLayerNorm, nn.RMSNorm)):
+            return "norm"
+        if isinstance(module, (Embeddings, nn.Embedding)):
+            return "embedding"
+    return "output" if top == "output" else "other"
+
+
+def param_report(model: nn.Module) -> ParamReport:
+    owner: dict[int, str] = {}  # id(parameter) -> owning name
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner.setdefault(id(p), name)
+        names.setdefault(id(p), []).append(name)
+    unique = {id(p): p for p in model.parameters()}
+
+    module_paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        module_paths.setdefault(id(module), []).append(path)
+
+    rows: list[LayerRow] = []
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    by_component: dict[str, int] = {}
+    by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        owned = [p for pid, p in unique.items() if owner[pid].startswith(prefix)]
+        direct = list(module.named_parameters(recurse=False, remove_duplicate=False))
+        own = [(n, p) for n, p in direct if owner[id(p)] == prefix + n]
+        flags = {p.requires_grad for p in owned}
+        parts = path.split(".") if path else []
+        n_containers = sum(isinstance(model.get_submodule(".".join(parts[:i])), containers)
+                           for i in range(1, len(parts)))
+        rows.append(LayerRow(
+            path=path, type=type(module).__name__, depth=len(parts) - n_containers,
+            params=sum(p.numel() for p in owned), own_params=sum(p.numel() for _, p in own),
+            shape={n: list(p.shape) for n, p in own},
+            trainable=flags.pop() if len(flags) == 1 else (True if not flags else None),
+            shared_with=sorted({a for n, p in direct for a in names[id(p)] if a != prefix + n}),
+            container=isinstance(module, containers)))
+        for n, p in own:
+            chain = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+            by_kind[_kind(chain, parts[0] if parts else "")] += p.numel()
+            top = parts[0] if parts else "(model)"
+            by_component[top] = by_component.get(top, 0) + p.numel()
+
+    buffers = []
+    persistent = set(model.state_dict().keys())
+    for name, b in model.named_buffers():
+        buffers.append(BufferRow(name, list(b.shape), b.numel(), str(b.dtype).replace("torch.", ""),
+                                 name in persistent))
+    total = sum(p.numel() for p in unique.values())
+    return ParamReport(
+        layers=rows, total_params=total,
+        trainable_params=sum(p.numel() for p in unique.values() if p.requires_grad),
+        buffers=buffers,
+        aliases=[names[pid] for pid in unique if len(names[pid]) > 1],
+        reused_modules=[paths for paths in module_paths.values() if len(paths) > 1],
+        by_component=by_component, by_kind={k: v for k, v in by_kind.items() if v},
+        check_total=sum(p.numel() for p in model.parameters()),
+    )
+
