@@ -23,3 +23,26 @@ def cli():
         return Result(runner.invoke(app, list(args), env={"COLUMNS": "100", **(env or {})}))
 
     return run
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/*.txt from the current output")
+
+
+@pytest.fixture
+def golden(request):
+    """Compare text with tests/golden/NAME; --update-golden rewrites the file instead."""
+    from pathlib import Path
+
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, text: str) -> None:
+        path = Path(__file__).parent / "golden" / name
+        if update or not path.exists():
+            if not update:
+                pytest.fail(f"{path} is missing; run pytest --update-golden and review it")
+            path.write_text(text)
+        assert text == path.read_text(), f"{name} changed; review, then pytest --update-golden"
+
+    return check

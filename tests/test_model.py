@@ -265,3 +265,18 @@ def test_bad_inputs_raise_input_error(call, message):
 def test_padding_from_ids_and_lengths_agree():
     ids = torch.tensor([[5, 6, 0, 0], [7, 0, 0, 0]])
     assert torch.equal(masks.valid_from_ids(ids, pad_id=0), masks.valid_from_lengths([2, 1], 4))
+
+
+def test_sinusoidal_table_is_the_papers_formula():
+    import math
+
+    from tfcli.model import SinusoidalPositions
+
+    d_model = 10
+    table = SinusoidalPositions(50, d_model).table
+    for pos in (0, 1, 7, 49):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)  # §3.5
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    assert "table" not in dict(SinusoidalPositions(5, 4).named_parameters())

@@ -186,8 +186,8 @@ class MemoryLine:
 
 
 def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,
-                    mixed: str | None, activations: ActivationEstimate | None,
-                    activations_how: str = "") -> list[MemoryLine]:
+                    mixed: str | None,
+                    activations: ActivationEstimate | None) -> list[MemoryLine]:
     """Weights, buffers, gradients, optimizer state and activations, each with how it is
     computed. ``mixed`` (bf16/fp16) is torch.autocast: fp32 weights, grads and optimizer state;
     half-precision copies live in the activations."""
@@ -207,12 +207,11 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
         quadratic = activations.saved_bytes.get("attention matrices", 0)
         lines += [
             MemoryLine("activations: attention matrices", quadratic,
-                       "saved [B, h, T, S] tensors (scores, weights, dropout masks): ∝ L²; "
-                       + activations_how),
+                       "[B, h, T, S] scores, weights, dropout masks saved for backward: ∝ L²"),
             MemoryLine("activations: other saved", sum(activations.saved_bytes.values()) - quadratic,
-                       "every other tensor saved for backward: ∝ L; " + activations_how),
+                       "every other tensor saved for backward: ∝ L"),
             MemoryLine("activations: backward working set", activations.working_bytes,
-                       "gradients in flight at the peak; " + activations_how),
+                       "gradients in flight at the peak of backward"),
         ]
     return lines
 

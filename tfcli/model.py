@@ -60,11 +60,16 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
-        position = torch.arange(max_len, dtype=torch.float32)[:, None]  # [max_len, 1]
-        inv_freq = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
-        table = torch.zeros(max_len, d_model)
+        # Computed on the CPU (deterministic) and moved to the build device: on meta, arange and
+        # friends would go through torch._refs, which imports torch._dynamo (~0.9 s).
+        cpu = torch.device("cpu")
+        position = torch.arange(max_len, dtype=torch.float32, device=cpu)[:, None]  # [max_len, 1]
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32, device=cpu)
+                             * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_len, d_model, device=cpu)
         table[:, 0::2] = torch.sin(position * inv_freq)
         table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+        table = table.to(torch.get_default_device(), torch.get_default_dtype())
         self.register_buffer("table", table, persistent=False)
 
     def forward(self, length: int) -> Tensor:
@@ -80,6 +85,12 @@ class LearnedPositions(nn.Module):
         return self.weight[:length]  # [L, d_model]
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its own normal_() init (the model initialises every matrix in
+    _reset_parameters): on the meta device that init alone costs ~0.9 s of torch imports."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Embeddings(nn.Module):
     """Token ids [B, L] -> [B, L, d_model]: embed (×√d_model), project d_embed -> d_model, add
     positions, optional norm, dropout. With vocab_size 0 the input is already [B, L, d_model]."""
@@ -88,7 +99,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.max_len = cfg.max_seq_len
-        self.token = nn.Embedding(vocab_size, cfg.embed_dim) if vocab_size else None
+        self.token = _embedding(vocab_size, cfg.embed_dim) if vocab_size else None
         self.scale = math.sqrt(cfg.d_model) if (cfg.embed_scale and vocab_size) else 1.0
         needs_proj = vocab_size and cfg.embed_dim != cfg.d_model
         self.proj = nn.Linear(cfg.embed_dim, cfg.d_model) if needs_proj else None

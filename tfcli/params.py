@@ -24,9 +24,10 @@ class LayerRow:
     depth: int  # path components, not counting ModuleList containers
     params: int  # unique parameters in this module's subtree, counted at their owner
     own_params: int  # parameters registered directly on this module
-    shape: dict[str, list[int]] = field(default_factory=dict)  # own parameter -> shape
+    shape: dict[str, list[int]] = field(default_factory=dict)  # direct parameter -> shape
     trainable: bool | None = True  # None: some frozen, some not
-    shared_with: list[str] = field(default_factory=list)  # aliases of this module's parameters
+    shared_with: list[str] = field(default_factory=list)  # other names of its direct parameters
+    tied_to: dict[str, str] = field(default_factory=dict)  # direct parameter -> owner elsewhere
     container: bool = False  # a ModuleList/ModuleDict: grouping only
 
 
@@ -128,9 +129,10 @@ def param_report(model: nn.Module) -> ParamReport:
         rows.append(LayerRow(
             path=path, type=type(module).__name__, depth=len(parts) - n_containers,
             params=sum(p.numel() for p in owned), own_params=sum(p.numel() for _, p in own),
-            shape={n: list(p.shape) for n, p in own},
+            shape={n: list(p.shape) for n, p in direct},
             trainable=flags.pop() if len(flags) == 1 else (True if not flags else None),
             shared_with=sorted({a for n, p in direct for a in names[id(p)] if a != prefix + n}),
+            tied_to={n: owner[id(p)] for n, p in direct if owner[id(p)] != prefix + n},
             container=isinstance(module, containers)))
         for n, p in own:
             chain = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]

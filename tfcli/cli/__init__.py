@@ -9,6 +9,7 @@ import typer
 from tfcli import __version__
 from tfcli.cli._common import TfcliGroup
 from tfcli.cli.config_cmd import config
+from tfcli.cli.params_cmd import params
 from tfcli.cli.presets_cmd import presets
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ def _root(
     """Build any configured Transformer and inspect it: parameters, shapes, masks, cost."""
 
 
+app.command("params")(params)
 app.command("presets")(presets)
 app.command("config")(config)
 

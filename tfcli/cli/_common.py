@@ -4,6 +4,7 @@ are presented (one line on stderr, exit code 2, no traceback)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -43,8 +44,12 @@ def resolve_config(preset: str | None, config: Path | None, overrides: list[str]
 
 
 def stdout() -> Console:
-    """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals."""
-    return Console(soft_wrap=False)
+    """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals. Written to
+    a file or pipe, tables are 120 columns wide (COLUMNS overrides), not Rich's 80."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=120)
+    return console
 
 
 def print_json(data: Any) -> None:

@@ -1,0 +1,191 @@
+"""`tfcli params`: counts against published figures and an independent closed form, tying,
+display (depth, collapse), memory lines, and activation estimates against a real CPU peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torchinfo
+
+from tfcli.counting import count_params
+from tfcli.memory import (OPTIMIZER_STATES, estimate_activations, profile_peak_bytes,
+                          training_loss, training_memory)
+from tfcli.model import build_model, example_inputs
+from tfcli.params import freeze, param_report
+from tfcli.presets import PRESETS, get_preset
+from tfcli.render.params import display_rows
+
+PUBLISHED = {"torch-transformer": 44_140_544, "gpt2-small": 124_439_808}
+
+
+def report_for(name: str, **overrides):
+    cfg = get_preset(name).replace(**overrides)
+    return cfg, param_report(build_model(cfg, "meta"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_totals_equal_closed_form_and_published_counts(name):
+    cfg, report = report_for(name)
+    closed = count_params(cfg)
+    assert report.total_params == report.check_total == closed.total
+    assert report.total_params == PUBLISHED.get(name, report.total_params)
+    # Two independent derivations: the module tree here, the formulas in counting.py.
+    assert report.by_kind == {k: v for k, v in closed.by_kind.items() if v}
+    assert report.by_component == {k: v for k, v in closed.by_component.items() if v}
+
+
+@pytest.mark.parametrize("name", ["tiny", "annotated", "torch-transformer", "bert-base"])
+def test_agrees_with_torchinfo_where_nothing_is_tied(name):
+    cfg = get_preset(name)
+    assert cfg.tie_embeddings == "none"
+    assert torchinfo.summary(build_model(cfg, "meta"), verbose=0).total_params == \
+        param_report(build_model(cfg, "meta")).total_params
+
+
+@pytest.mark.parametrize("name", ["vaswani-base", "gpt2-small"])
+def test_torchinfo_counts_tied_weights_again_and_tfcli_does_not(name):
+    cfg, report = report_for(name)
+    embedding = cfg.tgt_vocab_size * cfg.d_model
+    copies = {"all": 2, "tgt_output": 1}[cfg.tie_embeddings]
+    info = torchinfo.summary(build_model(cfg, "meta"), verbose=0).total_params
+    assert info == report.total_params + copies * embedding  # the README explains this gap
+
+
+def test_three_way_tying_names_every_alias():
+    _, report = report_for("vaswani-base")
+    assert report.aliases == [["src_embed.token.weight", "tgt_embed.token.weight", "output.weight"]]
+    rows = {r.path: r for r in report.layers}
+    assert rows["output"].params == 0 and rows["output"].tied_to == {"weight": "src_embed.token.weight"}
+    assert rows["src_embed.token"].params == 37000 * 512
+
+
+def test_a_module_used_twice_is_flagged():
+    model = build_model(get_preset("tiny"), "meta")
+    layer = model.decoder.layers[0]
+    layer.cross_attn = layer.self_attn  # the classic tutorial bug
+    report = param_report(model)
+    assert ["decoder.layers.0.self_attn", "decoder.layers.0.cross_attn"] in report.reused_modules
+    assert report.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_freeze_marks_parameters_and_splits_collapsed_groups():
+    cfg = get_preset("gpt2-small")
+    model = build_model(cfg, "meta")
+    freeze(model, ["decoder.layers.[0-5]"])
+    report = param_report(model)
+    per_layer = 7_087_872  # GPT-2 small block: 12 × this + embeddings + final norm = 124,439,808
+    assert report.non_trainable_params == 6 * per_layer
+    shown = [r.path for r in display_rows(report, depth=2, expand=False)]
+    assert "decoder.layers.0-5" in shown and "decoder.layers.6-11" in shown
+
+
+def test_freeze_with_no_match_is_an_error(cli):
+    result = cli("params", "--preset", "tiny", "--freeze", "encodr.*")
+    assert result.exit_code == 2
+    assert "--freeze 'encodr.*' matches no parameter" in result.stderr
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("expand", [False, True])
+def test_displayed_rows_account_for_every_parameter(name, depth, expand):
+    _, report = report_for(name)
+    rows = display_rows(report, depth, expand)
+    assert sum(r.accounted for r in rows) == report.total_params
+    assert max(r.depth for r in rows) <= depth
+
+
+def test_collapse_and_expand():
+    _, report = report_for("vaswani-base")
+    collapsed = [r.path for r in display_rows(report, 2, expand=False)]
+    expanded = [r.path for r in display_rows(report, 2, expand=True)]
+    assert "encoder.layers.0-5" in collapsed and "encoder.layers.3" not in collapsed
+    assert [f"encoder.layers.{i}" for i in range(6)] == [p for p in expanded
+                                                          if p.startswith("encoder.layers.")]
+    assert display_rows(report, 0, False) == []
+
+
+def test_memory_lines_follow_dtype_optimizer_and_freezing():
+    total, trainable = 1000, 600
+    for optimizer, states in OPTIMIZER_STATES.items():
+        lines = {m.name: m.bytes for m in
+                 training_memory(total, trainable, 10, "bf16", optimizer, None, None)}
+        assert lines["weights"] == 2000 and lines["gradients"] == 1200
+        assert lines["optimizer state"] == states * 1200
+    amp = {m.name: m.bytes for m in training_memory(total, trainable, 0, "fp32", "adamw", "bf16", None)}
+    assert amp["weights"] == 4000 and amp["optimizer state"] == 2 * 4 * 600
+    int8 = [m.name for m in training_memory(total, trainable, 0, "int8", "adam", None, None)]
+    assert int8 == ["weights", "buffers"]
+
+
+CASES = [
+    ("tiny", {}, 2, 32),
+    ("tiny", dict(attention="naive"), 2, 48),
+    ("tiny", dict(dropout=0.0), 3, 40),  # CPU picks the flash kernel: no L² tensors
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), 2, 64),
+    ("bert-base", dict(n_encoder_layers=2, src_vocab_size=1000), 2, 64),
+]
+
+
+@pytest.mark.parametrize("name,overrides,batch,length", CASES)
+def test_activation_estimate_matches_a_real_cpu_peak(name, overrides, batch, length):
+    cfg = get_preset(name).replace(**overrides)
+    estimate, _ = estimate_activations(cfg, batch, length, length)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inputs = {k: v for k, v in example_inputs(cfg, batch, length, length).items() if v is not None}
+    loss, _ = training_loss(cfg)
+    measured = profile_peak_bytes(lambda: loss(model(**inputs)).backward())
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
+
+
+def test_attention_matrices_are_quadratic_for_naive_and_absent_for_cpu_flash():
+    cfg = get_preset("tiny").replace(dropout=0.0)
+    naive = [estimate_activations(cfg.replace(attention="naive"), 1, n, n)[0] for n in (32, 64)]
+    ratio = naive[1].saved_bytes["attention matrices"] / naive[0].saved_bytes["attention matrices"]
+    assert ratio == pytest.approx(4.0)
+    flash = estimate_activations(cfg, 1, 64, 64)[0]
+    assert flash.saved_bytes.get("attention matrices", 0) < naive[1].saved_bytes["attention matrices"] / 10
+
+
+def test_params_json(cli):
+    result = cli("params", "--preset", "vaswani-base", "--json", "--seq-len", "16",
+                 "--batch-size", "2", "--dtype", "bf16", "--freeze", "encoder")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["total_params"] == 63_045_632
+    assert data["non_trainable_params"] == count_params(get_preset("vaswani-base")).by_component["encoder"]
+    assert data["trainable_params"] + data["non_trainable_params"] == data["total_params"]
+    assert data["buffers"][0]["path"] == "src_embed.pos.table"
+    assert data["bytes"]["weights"] == 2 * 63_045_632
+    assert data["bytes"]["activations: attention matrices"] > 0
+    layer = next(r for r in data["layers"] if r["path"] == "output")
+    assert set(layer) >= {"path", "type", "params", "shape", "trainable", "shared_with"}
+    assert layer["shared_with"] == ["src_embed.token.weight", "tgt_embed.token.weight"]
+
+
+def test_golden_render(cli, golden):
+    result = cli("params", "--preset", "tiny", "--set", "tie_embeddings=tgt_output",
+                 "--freeze", "encoder.layers.1", env={"COLUMNS": "120", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.stderr
+    golden("params_tiny.txt", result.stdout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--depth", "-1"], "Invalid value for '--depth'"),
+    (["--dtype", "fp8"], "Invalid value for '--dtype'"),
+    (["--optimizer", "lion"], "Invalid value for '--optimizer'"),
+    (["--mixed-precision", "fp8"], "Invalid value for '--mixed-precision'"),
+    (["--seq-len", "0"], "Invalid value for '--seq-len'"),
+    (["--seq-len", "65"], "--seq-len 65 exceeds max_seq_len=64"),
+    (["--seq-len", "8", "--dtype", "int8"], "activations need a floating dtype"),
+    (["--batch-size", "0"], "Invalid value for '--batch-size'"),
+])
+def test_bad_options(cli, args, message):
+    result = cli("params", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1

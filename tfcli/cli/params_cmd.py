@@ -1,0 +1,96 @@
+"""`tfcli params`: where the parameters are and what memory they take."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    int8 = "int8"
+
+
+class Optimizer(str, Enum):
+    adam = "adam"
+    adamw = "adamw"
+    sgd_momentum = "sgd-momentum"
+    sgd = "sgd"
+
+
+class Mixed(str, Enum):
+    none = "none"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+def params(
+    preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    depth: Annotated[int, typer.Option(
+        min=0, help="Table depth: 0 totals only, 1 components, 2 layers, 3 sublayers, "
+                    "4 projections.")] = 3,
+    expand: Annotated[bool, typer.Option(
+        "--expand", help="Show every repeated layer instead of collapsing them (×N).")] = False,
+    freeze: Annotated[Optional[list[str]], typer.Option(
+        "--freeze", metavar="PATTERN", show_default=False,
+        help="Mark parameters frozen by glob on module paths, e.g. 'encoder.*' (repeatable).")
+    ] = None,
+    dtype: Annotated[DType, typer.Option(help="Parameter dtype for the memory lines.")] = DType.fp32,
+    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is counted.")
+                         ] = Optimizer.adam,
+    mixed_precision: Annotated[Mixed, typer.Option(
+        help="torch.autocast dtype: fp32 weights, grads and optimizer state; half activations."
+    )] = Mixed.none,
+    batch_size: Annotated[int, typer.Option(min=1, help="Batch size for activations.")] = 8,
+    seq_len: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False,
+        help="Sequence length (source and target) for the activation lines; without it "
+             "activations are not estimated.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Parameters per layer (tied weights counted once), buffers, and training memory."""
+    from tfcli.errors import TfcliError
+    from tfcli.memory import estimate_activations, training_memory
+    from tfcli.model import build_model
+    from tfcli.params import freeze as apply_freeze
+    from tfcli.params import param_report
+    from tfcli.render.params import display_rows, render
+
+    cfg = resolve_config(preset, config, set_)
+    mixed = None if mixed_precision is Mixed.none else mixed_precision.value
+    if seq_len is not None and seq_len > cfg.max_seq_len and cfg.positional != "none":
+        raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
+                         f"raise it with --set max_seq_len={seq_len}")
+    if seq_len is not None and dtype is DType.int8 and not mixed:
+        raise TfcliError("--seq-len with --dtype int8: activations need a floating dtype "
+                         "(int8 is counted for weights only)")
+    model = build_model(cfg, "meta")
+    apply_freeze(model, freeze or [])
+    report = param_report(model)
+
+    activations, how = None, ""
+    if seq_len is not None:
+        activations, how = estimate_activations(cfg, batch_size, seq_len, seq_len, dtype.value,
+                                                mixed)
+    memory = training_memory(report.total_params, report.trainable_params, report.buffer_numel,
+                             dtype.value, optimizer.value, mixed, activations)
+    if json_out:
+        data = report.to_dict()
+        data["buffers"] = [dict(b) for b in data["buffers"]]
+        data.update(buffer_elements=report.buffer_numel,
+                    bytes={m.name: m.bytes for m in memory},
+                    memory=[{"name": m.name, "bytes": m.bytes, "how": m.how} for m in memory],
+                    activations_method=how or None,
+                    dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
+                    config=cfg.to_dict())
+        print_json(data)
+        return
+    rows = display_rows(report, depth, expand)
+    render(report, rows, memory, how, stdout(),
+           title=f"parameters: {cfg.kind}, d_model {cfg.d_model}")

@@ -1,0 +1,175 @@
+"""Rendering of :class:`tfcli.params.ParamReport`: the layer table (depth, collapse), totals,
+aliases, buffers, summaries and the memory breakdown."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from tfcli.memory import MemoryLine
+from tfcli.params import LayerRow, ParamReport
+from tfcli.render import count, human_bytes, percent
+
+
+@dataclass
+class DisplayRow:
+    path: str  # as shown: repeated layers collapsed to "encoder.layers.0-5"
+    name: str  # last component(s), for the indented tree
+    depth: int
+    type: str
+    params: int  # × repeat
+    shapes: str
+    trainable: bool | None
+    shared_with: list[str]
+    accounted: int  # parameters this row stands for in the reconciliation
+
+
+def _children(layers: list[LayerRow]) -> dict[str, list[LayerRow]]:
+    kids: dict[str, list[LayerRow]] = {}
+    for row in layers[1:]:
+        kids.setdefault(row.path.rpartition(".")[0], []).append(row)
+    return kids
+
+
+def _signature(row: LayerRow, kids: dict[str, list[LayerRow]]) -> tuple:
+    """Two sibling subtrees collapse when these agree: types, shapes, trainability, tying."""
+    return (row.type, tuple(sorted((k, tuple(v)) for k, v in row.shape.items())), row.trainable,
+            bool(row.shared_with),
+            tuple((c.path.rpartition(".")[2], _signature(c, kids)) for c in kids.get(row.path, [])))
+
+
+def _has_parameters(row: LayerRow, kids: dict[str, list[LayerRow]]) -> bool:
+    """Worth a row: it owns parameters or holds tied ones, itself or below."""
+    return bool(row.params or row.tied_to) or any(_has_parameters(c, kids)
+                                                  for c in kids.get(row.path, []))
+
+
+def _subtree_shapes(row: LayerRow, kids: dict[str, list[LayerRow]]) -> Counter:
+    shapes = Counter(tuple(s) for s in row.shape.values())
+    for child in kids.get(row.path, []):
+        shapes += _subtree_shapes(child, kids)
+    return shapes
+
+
+def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayRow]:
+    kids = _children(report.layers)
+    out: list[DisplayRow] = []
+
+    def emit(row: LayerRow, shown_path: str, repeat: int) -> None:
+        if row.container:
+            children = kids.get(row.path, [])
+            i = 0
+            while i < len(children):
+                j = i + 1
+                while (not expand and j < len(children)
+                       and _signature(children[j], kids) == _signature(children[i], kids)):
+                    j += 1
+                first, last = (c.path.rpartition(".")[2] for c in (children[i], children[j - 1]))
+                label = first if j - i == 1 else f"{first}-{last}"
+                emit(children[i], f"{shown_path}.{label}", repeat * (j - i))
+                i = j
+            return
+        if row.depth > depth:
+            return
+        visible_kids = [c for c in kids.get(row.path, []) if _has_parameters(c, kids)]
+        folded = row.depth == depth or not visible_kids
+        if _has_parameters(row, kids):
+            if folded and not row.shape:
+                shapes = ", ".join(f"{list(s)}" + (f"×{n}" if n > 1 else "")
+                                   for s, n in _subtree_shapes(row, kids).items())
+            else:
+                shapes = ", ".join(f"{k} {v}" + (f" ≡ {row.tied_to[k]}" if k in row.tied_to else "")
+                                   for k, v in row.shape.items())
+            times = f" ×{repeat}" if repeat > 1 else ""
+            name = shown_path.rpartition(".")[2]
+            if shown_path.count(".") and shown_path.rpartition(".")[0].endswith(".layers"):
+                name = "layers." + name
+            out.append(DisplayRow(shown_path, name, row.depth, row.type + times,
+                                  row.params * repeat, shapes, row.trainable, row.shared_with,
+                                  (row.params if folded else row.own_params) * repeat))
+        if not folded:
+            for child in kids.get(row.path, []):
+                emit(child, f"{shown_path}.{child.path.rpartition('.')[2]}", repeat)
+
+    for top in kids.get("", []):
+        emit(top, top.path, 1)
+    return out
+
+
+def _trainable(flag: bool | None) -> str:
+    return {True: "yes", False: "frozen", None: "partly"}[flag]
+
+
+def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine],
+           activations_how: str, console: Console, title: str) -> None:
+    total = report.total_params
+    parts = []
+    if rows:
+        table = Table(title=title, title_justify="left")
+        for name, just in (("module", "left"), ("type", "left"), ("parameter shapes", "left"),
+                           ("params", "right"), ("share", "right"), ("train", "left")):
+            table.add_column(name, justify=just, overflow="fold",
+                             min_width=24 if name == "parameter shapes" else None)
+        for r in rows:
+            table.add_row(Text("  " * (r.depth - 1) + r.name), r.type, r.shapes, count(r.params),
+                          percent(r.params, total), _trainable(r.trainable))
+        parts.append(table)
+
+    accounted = sum(r.accounted for r in rows) if rows else total
+    ok = accounted == total == report.check_total
+    lines = [
+        f"total parameters      {count(total)}  (tied weights counted once)",
+        f"trainable             {count(report.trainable_params)}",
+        f"non-trainable         {count(report.non_trainable_params)}",
+        f"buffers               {count(report.buffer_numel)} elements (not parameters)",
+        ("check: rows sum to {0}; total {1}; sum(p.numel() for p in model.parameters()) = {2}"
+         " {3}").format(count(accounted), count(total), count(report.check_total),
+                        "✓" if ok else "✗ MISMATCH"),
+    ]
+    for names in report.aliases:
+        lines.append("tied: " + " ≡ ".join(names))
+    for paths in report.reused_modules:
+        lines.append("warning: one module object is used at " + ", ".join(paths)
+                     + " (its weights are shared; was that intended?)")
+    parts.append(Text("\n".join(lines)))
+
+    summary = Table(title="by component and by kind", title_justify="left")
+    for name, just in (("component", "left"), ("params", "right"), ("share", "right"),
+                       ("kind", "left"), ("params ", "right"), ("share ", "right")):
+        summary.add_column(name, justify=just)
+    comps, kinds = list(report.by_component.items()), list(report.by_kind.items())
+    for i in range(max(len(comps), len(kinds))):
+        c = comps[i] if i < len(comps) else ("", None)
+        k = kinds[i] if i < len(kinds) else ("", None)
+        summary.add_row(c[0], count(c[1]) if c[1] is not None else "",
+                        percent(c[1], total) if c[1] is not None else "",
+                        k[0], count(k[1]) if k[1] is not None else "",
+                        percent(k[1], total) if k[1] is not None else "")
+    parts.append(summary)
+
+    if report.buffers:
+        buffers = Table(title="buffers (memory, not parameters)", title_justify="left")
+        for name in ("buffer", "shape", "elements", "dtype", "in state_dict"):
+            buffers.add_column(name)
+        for b in report.buffers:
+            buffers.add_row(b.path, str(b.shape), count(b.numel), b.dtype,
+                            "yes" if b.persistent else "no")
+        parts.append(buffers)
+
+    mem = Table(title="memory", title_justify="left")
+    for name, just in (("what", "left"), ("bytes", "right"), ("how", "left")):
+        mem.add_column(name, justify=just, overflow="fold", no_wrap=name == "bytes")
+    for line in memory:
+        mem.add_row(line.name, human_bytes(line.bytes), line.how)
+    mem.add_row(Text("total", style="bold"), Text(human_bytes(sum(m.bytes for m in memory)),
+                                                  style="bold"), "sum of the lines above")
+    parts.append(mem)
+    if activations_how:
+        parts.append(Text(f"activations: {activations_how}"))
+    else:
+        parts.append(Text("activations: not estimated; add --seq-len L (and --batch-size B)"))
+    console.print(Group(*parts))
