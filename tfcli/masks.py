@@ -75,6 +75,18 @@ def self_attention_mask(valid: Tensor | None, is_causal: bool, length: int,
     )
 
 
+def encoder_self_mask(src_valid: Tensor | None, src_len: int,
+                      device: torch.device | str | None = None) -> Tensor | None:
+    """What the encoder's self-attention uses: source padding only, [B, 1, 1, S]."""
+    return self_attention_mask(src_valid, False, src_len, device)
+
+
+def decoder_self_mask(tgt_valid: Tensor | None, tgt_len: int,
+                      device: torch.device | str | None = None) -> Tensor | None:
+    """What the decoder's (masked) self-attention uses: causal AND target padding, [B|1, 1, T, T]."""
+    return self_attention_mask(tgt_valid, True, tgt_len, device)
+
+
 def cross_attention_mask(src_valid: Tensor | None) -> Tensor | None:
     """Decoder queries x encoder keys: only source padding restricts, [B, 1, 1, S]."""
     return key_padding(src_valid) if src_valid is not None else None

@@ -232,13 +232,13 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
         x = self._embed(self.src_embed, src, src_valid, "src")  # [B, S, d_model]
-        mask = masks.self_attention_mask(src_valid, False, x.size(1), x.device)  # [B, 1, 1, S]
+        mask = masks.encoder_self_mask(src_valid, x.size(1), x.device)  # [B, 1, 1, S]
         return self.encoder(x, mask)  # memory [B, S, d_model]
 
     def decode(self, tgt: Tensor, memory: Tensor | None = None, src_valid: Tensor | None = None,
                tgt_valid: Tensor | None = None) -> Tensor:
         x = self._embed(self.tgt_embed, tgt, tgt_valid, "tgt")  # [B, T, d_model]
-        mask = masks.self_attention_mask(tgt_valid, True, x.size(1), x.device)  # [B|1, 1, T, T]
+        mask = masks.decoder_self_mask(tgt_valid, x.size(1), x.device)  # [B|1, 1, T, T]
         cross = masks.cross_attention_mask(src_valid) if memory is not None else None
         h = self.decoder(x, mask, memory, cross)  # [B, T, d_model]
         return self.output(h) if self.output is not None else h  # [B, T, V_tgt]

@@ -9,6 +9,7 @@ import typer
 from tfcli import __version__
 from tfcli.cli._common import TfcliGroup
 from tfcli.cli.config_cmd import config
+from tfcli.cli.masks_cmd import masks
 from tfcli.cli.params_cmd import params
 from tfcli.cli.presets_cmd import presets
 
@@ -37,6 +38,7 @@ def _root(
 
 
 app.command("params")(params)
+app.command("masks")(masks)
 app.command("presets")(presets)
 app.command("config")(config)
 

@@ -1,0 +1,192 @@
+"""Masks: truth tables against torch's own conventions, the mask set per model kind, and
+`tfcli masks --check` passing on the model and failing on deliberately broken attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tfcli import masks
+from tfcli.attention import Attend
+from tfcli.maskcheck import mask_set
+from tfcli.presets import get_preset
+
+
+def test_causal_is_torchs_subsequent_mask_inverted():
+    for t in (1, 2, 7):
+        reference = nn.Transformer.generate_square_subsequent_mask(t) == 0  # 0 = may attend
+        assert torch.equal(masks.causal(t), reference)
+        assert bool(masks.causal(t).diagonal().all())  # a position sees itself
+
+
+def test_padding_blocks_exactly_the_padded_columns():
+    valid = masks.valid_from_lengths([3, 1], 4)
+    grid = masks.encoder_self_mask(valid, 4).expand(2, 1, 4, 4)[:, 0]
+    for b, length in enumerate([3, 1]):
+        for q in range(4):
+            assert grid[b, q].tolist() == [k < length for k in range(4)]
+
+
+def test_combined_decoder_mask_is_the_and_of_its_parts():
+    valid = masks.valid_from_lengths([5, 2])
+    combined = masks.decoder_self_mask(valid, 5).expand(2, 1, 5, 5)
+    for b in range(2):
+        for q in range(5):
+            for k in range(5):
+                assert bool(combined[b, 0, q, k]) == (k <= q and bool(valid[b, k]))
+
+
+def test_cross_mask_is_target_by_source():
+    cfg = get_preset("tiny")
+    src_valid, tgt_valid = masks.valid_from_lengths([7, 2]), masks.valid_from_lengths([3, 3])
+    cross = {m.key: m for m in mask_set(cfg, src_valid, tgt_valid)}["cross"]
+    grid = cross.expanded(2, 3, 7)
+    assert grid.shape == (2, 3, 7)  # T x S with S != T
+    assert grid[1].tolist() == [[k < 2 for k in range(7)]] * 3
+
+
+@pytest.mark.parametrize("name,keys", [
+    ("tiny", ["encoder_self", "decoder_causal", "decoder_padding", "decoder_self", "cross"]),
+    ("gpt2-small", ["decoder_causal", "decoder_padding", "decoder_self"]),
+    ("bert-base", ["encoder_self"]),
+])
+def test_mask_set_follows_the_model_kind(name, keys):
+    cfg = get_preset(name)
+    valid = masks.valid_from_lengths([4, 2])
+    got = mask_set(cfg, valid if cfg.has_encoder else None, valid if cfg.has_decoder else None)
+    assert [m.key for m in got] == keys
+
+
+@pytest.mark.parametrize("convention", list(masks.CONVENTIONS))
+def test_conventions_round_trip(convention):
+    mask = masks.decoder_self_mask(masks.valid_from_lengths([4, 2]), 4)
+    assert torch.equal(masks.from_convention(masks.to_convention(mask, convention), convention), mask)
+
+
+def test_conventions_mean_what_their_consumers_expect():
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 8)  # one head
+    allowed = masks.decoder_self_mask(masks.valid_from_lengths([4, 3]), 4)  # no empty rows
+    expected = F.scaled_dot_product_attention(q, q, q, attn_mask=allowed)
+    # additive: added to the scores
+    additive = masks.to_convention(allowed, "additive")
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, attn_mask=additive), expected)
+    # keep-01: the tutorials' scores.masked_fill(mask == 0, -inf)
+    keep = masks.to_convention(allowed, "keep-01")
+    scores = (q @ q.transpose(-2, -1) / 8 ** 0.5).masked_fill(keep == 0, float("-inf"))
+    torch.testing.assert_close(scores.softmax(-1) @ q, expected)
+    # bool-blocked: nn.MultiheadAttention's attn_mask (True = not allowed), per batch element
+    mha = nn.MultiheadAttention(8, 1, batch_first=True, bias=False)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.eye(8).repeat(3, 1))
+        mha.out_proj.weight.copy_(torch.eye(8))
+    blocked = masks.to_convention(allowed, "bool-blocked")
+    for b in range(2):
+        out, _ = mha(q[b], q[b], q[b], attn_mask=blocked[b, 0])
+        torch.testing.assert_close(out[0], expected[b, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_check_passes_on_the_model(cli):
+    result = cli("masks", "--preset", "tiny", "--check", "--src-lens", "5,2,0", "--tgt-lens",
+                 "3,4,2")
+    assert result.exit_code == 0, result.stdout
+    assert "PASSED" in result.stdout and "✗" not in result.stdout
+    assert "no allowed key" in result.stdout or "→ output zeros" in result.stdout
+
+
+def _ignore_mask(self, q, k, v, mask=None):
+    return _ORIGINAL(self, q, k, v, None)
+
+
+def _inverted_mask(self, q, k, v, mask=None):
+    return _ORIGINAL(self, q, k, v, None if mask is None else ~mask)
+
+
+_ORIGINAL = Attend.forward
+
+
+@pytest.mark.parametrize("broken", [_ignore_mask, _inverted_mask], ids=["ignored", "inverted"])
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-small"])
+def test_check_fails_on_broken_attention(cli, monkeypatch, broken, preset):
+    monkeypatch.setattr(Attend, "forward", broken)
+    args = ["masks", "--preset", preset, "--check", "--json"]
+    if preset == "gpt2-small":
+        args += ["--set", "n_decoder_layers=2"]
+    result = cli(*args)
+    assert result.exit_code == 1
+    check = json.loads(result.stdout)["check"]
+    assert check["passed"] is False and check["causal_ok"] is False
+    assert all(layer["max_blocked_weight"] > 0 for layer in check["layers"])
+
+
+def test_empty_rows_give_zeros_not_nan(cli):
+    result = cli("masks", "--preset", "bert-base", "--set", "n_encoder_layers=1", "--src-lens",
+                 "3,0", "--check", "--json")
+    assert result.exit_code == 0, result.stdout
+    rows = json.loads(result.stdout)["check"]["empty_rows"]
+    assert len(rows) == 3 and {r["output"] for r in rows} == {"zeros"}
+
+
+def test_json_masks(cli):
+    result = cli("masks", "--preset", "tiny", "--json", "--convention", "additive")
+    data = json.loads(result.stdout)
+    by_key = {m["key"]: m for m in data["masks"]}
+    assert by_key["decoder_self"]["shape"] == [2, 1, 5, 5]
+    assert by_key["cross"]["broadcast_shape"] == [2, 4, 5, 6]
+    assert by_key["decoder_self"]["allowed"][0][0] == [True, False, False, False, False]
+    assert by_key["decoder_self"]["values"][0][0] == [0.0, "-inf", "-inf", "-inf", "-inf"]
+    assert data["valid"]["src"][0] == [True] * 4 + [False] * 2
+
+
+def test_token_ids_with_pad_id(cli):
+    result = cli("masks", "--preset", "gpt2-small", "--tgt-ids", "5,6,9;7,9,9", "--pad-id", "9",
+                 "--json")
+    assert json.loads(result.stdout)["valid"]["tgt"] == [[True, True, False], [True, False, False]]
+
+
+@pytest.mark.parametrize("convention", list(masks.CONVENTIONS))
+def test_golden_render(cli, golden, convention):
+    result = cli("masks", "--preset", "tiny", "--convention", convention, "--batch-index", "0",
+                 env={"NO_COLOR": "1"})
+    assert result.exit_code == 0
+    golden(f"masks_tiny_{convention}.txt", result.stdout)
+
+
+def test_large_grids_are_elided(cli):
+    result = cli("masks", "--preset", "bert-base", "--src-lens", "100,40", "--max-grid", "8")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert any("…" in line for line in lines) and any("⋮" in line for line in lines)
+    assert max(len(line) for line in lines) < 120
+
+
+def test_png(cli, tmp_path):
+    path = tmp_path / "m.png"
+    result = cli("masks", "--preset", "tiny", "--png", str(path))
+    assert result.exit_code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--src-lens", "5,x"], "--src-lens '5,x': expected lengths per sequence"),
+    (["--src-lens", "5,-1"], "--src-lens '5,-1': expected lengths per sequence"),
+    (["--src-lens", "5,3", "--tgt-lens", "4"], "source and target batches differ in size"),
+    (["--src-lens", "3", "--src-ids", "1,2"], "give one or the other"),
+    (["--tgt-ids", "1,2;3"], "expected equal-length sequences"),
+    (["--batch-index", "2"], "--batch-index 2: the batch has 2 sequences"),
+    (["--src-lens", "65"], "padded length 65 must be in 1..max_seq_len=64"),
+    (["--convention", "float"], "Invalid value for '--convention'"),
+    (["--png", "out.jpg"], "the file name must end in .png"),
+])
+def test_bad_options(cli, args, message):
+    result = cli("masks", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == ""
+
+
+def test_side_the_model_does_not_have(cli):
+    result = cli("masks", "--preset", "gpt2-small", "--src-lens", "3")
+    assert result.exit_code == 2 and "this decoder-only model has no source side" in result.stderr

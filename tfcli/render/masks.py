@@ -1,0 +1,104 @@
+"""Mask grids (rows = queries, columns = keys) in a chosen convention, and the check report."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.text import Text
+
+from tfcli.maskcheck import CheckReport, NamedMask
+
+CELLS = {  # convention -> (text where attending is allowed, text where it is blocked)
+    "bool-allowed": ("T", "F"),
+    "bool-blocked": ("F", "T"),
+    "keep-01": ("1", "0"),
+    "additive": ("0", "-∞"),
+}
+ALLOWED, BLOCKED = "green", "red"
+
+
+def _indices(n: int, limit: int) -> list[int | None]:
+    """Positions to show; None marks an elided run."""
+    if n <= limit:
+        return list(range(n))
+    head = limit - limit // 3
+    return [*range(head), None, *range(n - (limit - head), n)]
+
+
+def grid(named: NamedMask, allowed, q_valid, k_valid, batch: int, convention: str,
+         limit: int) -> Text:
+    """``allowed`` [B, Q, K] bool; ``q_valid`` / ``k_valid`` [B, Q] / [B, K] bool."""
+    yes, no = CELLS[convention]
+    q_len, k_len = allowed.shape[1:]
+    width = max(len(yes), len(no), len(str(k_len - 1)) + 1)
+    rows, cols = _indices(q_len, limit), _indices(k_len, limit)
+    label = max(len(str(q_len - 1)) + 1, 4)
+    text = Text()
+    text.append(" " * (label + 1))
+    for k in cols:
+        if k is None:
+            text.append("…".rjust(width + 1))
+        else:
+            pad = not k_valid[batch, k]
+            text.append(f"{k}{'*' if pad else ''}".rjust(width + 1), style="dim" if pad else "")
+    text.append("\n")
+    for q in rows:
+        if q is None:
+            text.append("⋮".rjust(label) + "\n")
+            continue
+        pad = not q_valid[batch, q]
+        text.append(f"{q}{'*' if pad else ''}".rjust(label) + " ", style="dim" if pad else "")
+        for k in cols:
+            if k is None:
+                text.append("…".rjust(width + 1))
+                continue
+            ok = bool(allowed[batch, q, k])
+            text.append((yes if ok else no).rjust(width + 1), style=ALLOWED if ok else BLOCKED)
+        if not allowed[batch, q].any():
+            text.append("   no allowed key: output is zeros", style="bold")
+        text.append("\n")
+    return text
+
+
+def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: int,
+                 batch_size: int, n_heads: int, convention: str, limit: int,
+                 console: Console) -> None:
+    console.soft_wrap = True  # a re-wrapped grid row is unreadable: leave long lines to the pager
+    yes, no = CELLS[convention]
+    console.print(Text(f"convention {convention}: {yes} = may attend, {no} = blocked; "
+                       f"rows are queries, columns keys; * marks padding", style="bold"))
+    for named, allowed, q_valid, k_valid in items:
+        q_len, k_len = allowed.shape[1:]
+        shape = list(named.mask.shape)
+        console.print()
+        role = "" if named.used_by_model else "  [a component of the next mask]"
+        console.print(Text(f"{named.name}: {named.description}{role}", style="bold"))
+        console.print(f"stored {shape} (bool, True = may attend) → broadcast onto scores "
+                      f"[B, h, {'T' if named.query_side == 'tgt' else 'S'}, "
+                      f"{'T' if named.key_side == 'tgt' else 'S'}] = "
+                      f"[{batch_size}, {n_heads}, {q_len}, {k_len}]")
+        console.print(f"batch element {batch}: {int(q_valid[batch].sum())} real queries, "
+                      f"{int(k_valid[batch].sum())} real keys")
+        console.print(grid(named, allowed, q_valid, k_valid, batch, convention, limit), end="")
+
+
+def render_check(report: CheckReport, console: Console) -> None:
+    console.soft_wrap = True
+    mark = {True: "✓", False: "✗", None: "–"}
+    console.print()
+    console.print(Text("check: the model's own attention (naive path) on this batch", style="bold"))
+    for layer in report.layers:
+        nan = ", NaN in weights or output" if layer.nan else ""
+        console.print(f"  {mark[layer.ok]} {layer.path}: largest weight on a blocked position "
+                      f"= {layer.max_blocked_weight:.3g} (mask {layer.mask}){nan}")
+    console.print(f"  {mark[report.causal_ok]} causality: {report.causal_detail or 'no decoder'}")
+    console.print(f"  {mark[report.padding_ok]} padding: {report.padding_detail}")
+    groups: dict[tuple[str, int, str], list[int]] = {}
+    for row in report.empty_rows:
+        groups.setdefault((row.mask, row.batch, row.output), []).append(row.query)
+    for (mask, batch, output), queries in groups.items():
+        ok = output == "zeros"
+        console.print(f"  {mark[ok]} {mask}, batch element {batch}: {len(queries)} query row(s) "
+                      f"with no allowed key ({', '.join(map(str, queries[:8]))}"
+                      f"{', …' if len(queries) > 8 else ''}) → output {output}")
+    console.print(Text("PASSED" if report.passed else "FAILED", style="bold green"
+                       if report.passed else "bold red"))
