@@ -12,6 +12,7 @@ from tfcli.cli.config_cmd import config
 from tfcli.cli.masks_cmd import masks
 from tfcli.cli.params_cmd import params
 from tfcli.cli.presets_cmd import presets
+from tfcli.cli.shapes_cmd import shapes
 
 app = typer.Typer(
     cls=TfcliGroup,
@@ -38,6 +39,7 @@ def _root(
 
 
 app.command("params")(params)
+app.command("shapes")(shapes)
 app.command("masks")(masks)
 app.command("presets")(presets)
 app.command("config")(config)

@@ -1,0 +1,155 @@
+"""`tfcli shapes`: the shape of every tensor through every sublayer, with FLOPs."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+from tfcli.errors import TfcliError
+
+
+class Device(str, Enum):
+    meta = "meta"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TfcliError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise TfcliError("--device mps: no MPS device here (torch.backends.mps.is_available() "
+                         "is False)")
+
+
+def shapes(
+    preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="B in the example batch.")] = 2,
+    src_len: Annotated[int, typer.Option(min=1, help="S, the source length.")] = 9,
+    tgt_len: Annotated[int, typer.Option(min=1, help="T, the target length.")] = 7,
+    src_lens: Annotated[Optional[str], typer.Option(
+        metavar="N,N,…", show_default=False,
+        help="Pad the source: real length per sequence (one per batch element).")] = None,
+    tgt_lens: Annotated[Optional[str], typer.Option(
+        metavar="N,N,…", show_default=False,
+        help="Pad the target: real length per sequence (one per batch element).")] = None,
+    device: Annotated[Device, typer.Option(
+        help="meta: shapes only, no weights, no arithmetic (instant for any size); cpu/cuda/"
+             "mps: run for real.")] = Device.meta,
+    depth: Annotated[int, typer.Option(min=0, help="Tree depth: 1 components, 2 layers, "
+                                                   "3 sublayers, 4 inside attention.")] = 4,
+    expand: Annotated[bool, typer.Option("--expand", help="Show every repeated layer.")] = False,
+    backward: Annotated[bool, typer.Option(
+        "--backward", help="Add backward FLOPs (2 × forward) and reconcile fwd+bwd.")] = False,
+    causal_flops: Annotated[bool, typer.Option(
+        "--causal-flops", help="Count only the useful half of causal attention.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
+    from tfcli import masks
+    from tfcli.flops import CONVENTION, count_with_flop_counter
+    from tfcli.model import build_model, example_inputs
+    from tfcli.render.shapes import build_tree, flops_text
+    from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, trace
+
+    cfg = resolve_config(preset, config, set_)
+    _check_device(device.value)
+    lengths = {"src": src_len, "tgt": tgt_len}
+    for side, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)):
+        if present and cfg.positional != "none" and lengths[side] > cfg.max_seq_len:
+            raise TfcliError(f"--{side}-len {lengths[side]} exceeds max_seq_len={cfg.max_seq_len}")
+    model = build_model(cfg, device.value).eval()
+    inputs = {k: v for k, v in example_inputs(cfg, batch_size, src_len, tgt_len,
+                                              device.value).items() if v is not None}
+    for side, text in (("src", src_lens), ("tgt", tgt_lens)):
+        if text is None:
+            continue
+        if side not in inputs:
+            raise TfcliError(f"--{side}-lens: this {cfg.kind} model has no "
+                             f"{'source' if side == 'src' else 'target'} side")
+        try:
+            lens = [int(n) for n in text.split(",")]
+        except ValueError:
+            raise TfcliError(f"--{side}-lens {text!r}: expected lengths, e.g. 5,3") from None
+        if len(lens) != batch_size or not all(0 <= n <= lengths[side] for n in lens):
+            raise TfcliError(f"--{side}-lens {text!r}: give {batch_size} lengths (--batch-size), "
+                             f"each in 0..{lengths[side]} (--{side}-len)")
+        inputs[f"{side}_valid"] = masks.valid_from_lengths(lens, lengths[side]).to(device.value)
+
+    names = dimension_names(cfg, batch_size, src_len, tgt_len)
+    try:
+        events = trace(model, inputs, causal_half=causal_flops)
+    except ForwardFailed as failure:
+        if json_out:
+            print_json({"error": str(failure), "events": [vars(e) for e in failure.events]})
+        else:
+            stdout().print(build_tree(failure.events, names, depth, True, False,
+                                      "partial trace (the forward pass failed)"))
+            typer.echo(f"tfcli: {failure}", err=True)
+        raise typer.Exit(1)
+
+    forward = events[0].flops
+
+    def run() -> None:
+        out = model(**inputs)
+        if backward:
+            out.float().sum().backward()
+
+    if backward:
+        model.train()  # fake weights need grads only for the counter's backward pass
+    counter = count_with_flop_counter(run)
+    ours = forward * (3 if backward else 1)
+    reasons = []
+    if causal_flops:
+        reasons.append("--causal-flops counts half of each causal QKᵀ and AV; torch counts all")
+    if backward and cfg.attention == "sdpa" and counter.registered:
+        reasons.append("torch counts the fused SDPA backward as 2.5 × forward (it recomputes "
+                       "QKᵀ); tfcli's convention is 2 ×")
+    unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
+
+    if json_out:
+        print_json({
+            "dims": names, "ambiguous": unclear, "device": device.value,
+            "events": [{**vars(e), "details": [vars(d) for d in e.details],
+                        "inputs_symbolic": [None if s is None else symbolic_of(s, names)
+                                            for s in e.inputs],
+                        "outputs_symbolic": [None if s is None else symbolic_of(s, names)
+                                             for s in e.outputs]} for e in events],
+            "flops": {"forward": forward, "backward": 2 * forward if backward else None,
+                      "convention": CONVENTION, "causal_half": causal_flops,
+                      "flop_counter": counter.flop_counter, "flop_counter_corrected":
+                          counter.corrected, "uncounted_ops": counter.missing,
+                      "formulas_registered": counter.registered, "differences": reasons},
+        })
+        return
+    console = stdout()
+    legend = "  ".join(f"{k}={v}" for k, v in names.items())
+    console.print(f"dimensions: {legend}")
+    for line in unclear:
+        console.print(f"[yellow]ambiguous: size {line}; choose other example sizes "
+                      f"(--batch-size, --src-len, --tgt-len)[/yellow]")
+    console.print(build_tree(events, names, depth, expand, backward,
+                             f"{cfg.kind} on {device.value}"))
+    what = "forward+backward" if backward else "forward"
+    console.print(f"FLOPs ({what}): tfcli {flops_text(ours)}   [{CONVENTION}]")
+    console.print(f"  torch FlopCounterMode as shipped: {flops_text(counter.flop_counter)} "
+                  f"({100 * counter.flop_counter / ours:.1f}% of tfcli's)" if ours else "")
+    for op in counter.missing:
+        console.print(f"  it has no formula for {op} and counts it as 0")
+    if counter.registered:
+        console.print(f"  with tfcli's formulas for {', '.join(counter.registered)}: "
+                      f"{flops_text(counter.corrected)}")
+    for reason in reasons:
+        console.print(f"  remaining difference: {reason}")
+
+
+def symbolic_of(shape, names):
+    from tfcli.shapes import symbolic
+
+    return symbolic(shape, names)

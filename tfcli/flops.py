@@ -1,0 +1,104 @@
+"""FLOPs: analytic per sublayer, and reconciled with ``torch.utils.flop_counter``.
+
+Convention (stated wherever a figure is printed): FLOPs = 2 × multiply-accumulates of the
+matrix products (linear layers, Q·Kᵀ and weights·V); softmax, norms, activations and
+elementwise ops are not counted (FlopCounterMode does not count them either). Backward = 2 ×
+forward. Causal attention counts the full T×T product unless ``causal_half``, which counts the
+useful half (÷2, as FlashAttention's benchmarks do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tfcli.attention import Attend
+
+CONVENTION = ("FLOPs = 2 × multiply-accumulates of matrix products (linear, QKᵀ, AV); "
+              "backward = 2 × forward")
+
+
+def linear_flops(module: nn.Linear, x: Tensor) -> int:
+    rows = x.numel() // module.in_features
+    return 2 * rows * module.in_features * module.out_features
+
+
+def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
+    """Q Kᵀ and weights·V: 2 × (2·B·h·T·S·d_k) = 4·B·h·T·S·d_k."""
+    *batch, t, d_k = q.shape
+    s = k.size(-2)
+    heads = 1
+    for n in batch:
+        heads *= n
+    flops = 4 * heads * t * s * d_k
+    return flops // 2 if causal_half else flops
+
+
+def module_flops(module: nn.Module, args: tuple, causal_half: bool) -> int:
+    """Forward FLOPs of one call of a leaf that does matrix products (0 for anything else)."""
+    if isinstance(module, nn.Linear):
+        return linear_flops(module, args[0])
+    if isinstance(module, Attend):
+        return attention_flops(args[0], args[1], causal_half)
+    return 0
+
+
+# --- FlopCounterMode, with and without the formulas torch lacks --------------------------------
+
+_HEAVY = ("mm", "matmul", "attention", "conv", "einsum", "linear")
+
+
+def _cpu_flash_formulas() -> dict:
+    """torch <= 2.13 has no formula for the CPU flash kernel (it counts 0); the GPU kernels'
+    formulas apply unchanged, since the first arguments are the same (q, k, v)."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    mapping = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        forward = aten._scaled_dot_product_flash_attention_for_cpu  # packets, as the registry
+        backward = aten._scaled_dot_product_flash_attention_for_cpu_backward
+        # FlopCounterMode passes shapes (it wraps these), then out_shape as a keyword.
+        if forward not in fc.flop_registry:
+            mapping[forward] = lambda q, k, v, *_, **__: fc.sdpa_flop_count(q, k, v)
+        if backward not in fc.flop_registry:
+            mapping[backward] = lambda g, q, k, v, *_, **__: fc.sdpa_backward_flop_count(g, q, k, v)
+    return mapping
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class CounterReport:
+    flop_counter: int  # torch.utils.flop_counter.FlopCounterMode as shipped
+    corrected: int  # the same, with formulas registered for ops it has none for
+    missing: list[str] = field(default_factory=list)  # matrix-product ops it counts as 0
+    registered: list[str] = field(default_factory=list)  # formulas tfcli added
+
+
+def count_with_flop_counter(run) -> CounterReport:
+    """Run ``run()`` under FlopCounterMode twice (as shipped, and corrected) and list the
+    matrix-product ops that have no formula."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    extra = _cpu_flash_formulas()
+    with FlopCounterMode(display=False) as plain:
+        run()
+    recorder = _OpRecorder()
+    with FlopCounterMode(display=False, custom_mapping=extra) as corrected, recorder:
+        run()
+    packets = {op.overloadpacket for op in recorder.ops}
+    missing = sorted(str(p) for p in packets
+                     if p not in flop_registry and any(word in str(p) for word in _HEAVY))
+    used = sorted(str(p) for p in extra if p in packets)
+    return CounterReport(plain.get_total_flops(), corrected.get_total_flops(), missing, used)
