@@ -147,13 +147,32 @@ def simulate_training_step(build: Callable[[], nn.Module],
     return ActivationEstimate(live.peak, sums)
 
 
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence file descriptor 2 for native code: this torch's profiler (kineto) prints
+    "USDT ... profiler_start/stop" lines on every session, with no switch to turn them off."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def profile_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated on the CPU while ``fn`` runs, above what was allocated before:
     the running maximum over the profiler's allocation events (tracemalloc sees none of them)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                        profile_memory=True) as prof:
         fn()
     deltas: list[tuple[int, int]] = []
 

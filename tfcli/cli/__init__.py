@@ -8,6 +8,7 @@ import typer
 
 from tfcli import __version__
 from tfcli.cli._common import TfcliGroup
+from tfcli.cli.bench_cmd import bench
 from tfcli.cli.config_cmd import config
 from tfcli.cli.masks_cmd import masks
 from tfcli.cli.params_cmd import params
@@ -41,6 +42,7 @@ def _root(
 app.command("params")(params)
 app.command("shapes")(shapes)
 app.command("masks")(masks)
+app.command("bench")(bench)
 app.command("presets")(presets)
 app.command("config")(config)
 

@@ -1,0 +1,139 @@
+"""What a bench cell runs: attention alone (naive, SDPA's default dispatch, or one SDPA backend)
+or the configured model, for one pass (fwd, bwd, fwdbwd), on one device and dtype.
+
+A case is built as a ``Prepared`` cell: the callable to time, its forward output (for the
+correctness check against the naive kernel) and its FLOPs in the stated convention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tfcli.attention import Attend
+from tfcli.bench.timer import synchronize
+from tfcli.flops import attention_flops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION",
+            "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+PASSES = ("fwd", "bwd", "fwdbwd")
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def backend_context(kernel: str):
+    if kernel in BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, BACKENDS[kernel]))
+    return contextlib.nullcontext()
+
+
+def attention_fn(kernel: str, causal: bool, length: int, device: str) -> Callable:
+    """(q, k, v) -> output [B, h, L, d_k] for ``kernel``; naive uses the model's own path."""
+    if kernel == "naive":
+        attend = Attend("naive", 0.0)
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None] \
+            if causal else None
+        return lambda q, k, v: attend(q, k, v, mask)[0]
+
+    def fused(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with backend_context(kernel):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return fused
+
+
+def probe(kernel: str, device: str, dtype: torch.dtype) -> str | None:
+    """None if ``kernel`` runs a tiny forward+backward here, else why not."""
+    try:
+        q = torch.randn(1, 2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        attention_fn(kernel, False, 16, device)(q, q, q).sum().backward()
+        synchronize(device)
+        return None
+    except (RuntimeError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return first.split(". ")[0][:100]
+
+
+def kernel_ran(fn: Callable[[], object]) -> str:
+    """The attention op that actually executed (from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tfcli.memory import quiet_native_stderr
+
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events()}
+    fused = sorted(n for n in names if "scaled_dot_product" in n and "attention" in n
+                   and n != "aten::scaled_dot_product_attention")
+    for op in fused:  # aten::_scaled_dot_product_flash_attention_for_cpu -> flash (cpu)
+        for short in ("flash", "efficient", "cudnn", "math"):
+            if short in op:
+                return f"{short} (cpu)" if op.endswith("_for_cpu") else short
+    return "matmul+softmax" if any("softmax" in n for n in names) else "unknown"
+
+
+@dataclass
+class Prepared:
+    run: Callable[[], object]  # what is timed
+    output: Tensor  # forward output, for the correctness check
+    flops: int  # for this pass, in the stated convention
+    attention_share: float  # of forward FLOPs, attention core
+    tokens: int  # tokens processed per run
+
+
+def _passes(forward: Callable[[], Tensor], which: str,
+            fwd_flops: int) -> tuple[Callable[[], object], int]:
+    """Wrap a forward closure into the timed callable for one pass."""
+    if which == "fwd":
+        def run() -> Tensor:
+            with torch.no_grad():
+                return forward()
+        return run, fwd_flops
+    if which == "fwdbwd":
+        def run() -> None:
+            out = forward()
+            out.backward(torch.ones_like(out))
+        return run, 3 * fwd_flops
+    out = forward()  # bwd: the graph is built once, untimed; each run replays its backward
+    grad = torch.ones_like(out)
+    return (lambda: out.backward(grad, retain_graph=True)), 2 * fwd_flops
+
+
+def prepare_attention(kernel: str, which: str, batch: int, heads: int, head_dim: int,
+                      length: int, causal: bool, device: str, dtype: torch.dtype,
+                      seed: int = 0) -> Prepared:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=g).to(device, dtype)
+               .requires_grad_() for _ in range(3))
+    fn = attention_fn(kernel, causal, length, device)
+    with torch.no_grad():
+        output = fn(q, k, v)
+    fwd = attention_flops(q, k, causal_half=causal)
+    run, flops = _passes(lambda: fn(q, k, v), which, fwd)
+    return Prepared(run, output, flops, 1.0, batch * length)
+
+
+def prepare_model(model: torch.nn.Module, cfg, which: str, batch: int, src_len: int,
+                  tgt_len: int, device: str, flops: tuple[int, int]) -> Prepared:
+    """``flops``: (forward total, forward attention core) from a meta trace."""
+    from tfcli.model import example_inputs
+
+    inputs = {k: v for k, v in example_inputs(cfg, batch, src_len, tgt_len, device).items()
+              if v is not None}
+    for key, value in inputs.items():
+        if value.is_floating_point():
+            inputs[key] = value.to(next(model.parameters()).dtype)
+    model.eval()  # the correctness output: no dropout, so kernels can be compared
+    with torch.no_grad():
+        output = model(**inputs)
+    model.train(which != "fwd")  # fwd is inference; bwd and fwdbwd are training steps
+    run, total = _passes(lambda: model(**inputs), which, flops[0])
+    tokens = batch * (tgt_len if cfg.has_decoder else src_len)
+    return Prepared(run, output, total, flops[1] / flops[0] if flops[0] else 0.0, tokens)

@@ -1,0 +1,339 @@
+"""The sweep: cells (length × kernel × pass × device × dtype), measured with variants of one
+length interleaved round by round in random order, so machine drift favours none of them.
+
+Every cell ends as a record, measured or not (OOM, unsupported, mismatch, interrupted):
+failure is data. Records are handed to ``on_record`` as soon as they exist.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from tfcli.bench.cases import DTYPES, TOLERANCE, Prepared, kernel_ran, prepare_attention, \
+    prepare_model, probe
+from tfcli.bench.fit import loglog_slope, upper_half
+from tfcli.bench.timer import CellTimer, calibrate_matmul, peak_memory
+
+# Dense peak FLOP/s from the vendors' spec sheets (no sparsity); fp32 is non-tensor-core.
+GPU_PEAKS = {"A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+             "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+             "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}}
+
+
+@dataclass
+class Spec:
+    what: str  # "attention" or "model"
+    seq_lens: list[int]
+    kernels: list[str]
+    passes: list[str]
+    devices: list[str]
+    dtypes: list[str]
+    batch_size: int = 1
+    tokens: int | None = None  # constant tokens per step: batch = tokens // L
+    heads: int = 8
+    head_dim: int = 64
+    causal: bool = False
+    tgt_len: int | None = None  # model: fix the target length instead of T = L
+    threads: int = 1
+    min_time: float = 0.5
+    max_time: float = 5.0
+    calibrate: bool = False
+    seed: int = 0
+
+    def batch_for(self, length: int) -> int:
+        return max(1, self.tokens // length) if self.tokens else self.batch_size
+
+
+@dataclass
+class Record:
+    what: str
+    seq_len: int
+    batch_size: int
+    kernel: str
+    pass_: str
+    device: str
+    dtype: str
+    threads: int
+    status: str = "ok"
+    kernel_ran: str = ""
+    median_s: float | None = None
+    iqr_s: float | None = None
+    n: int = 0
+    runs: int = 0
+    peak_bytes: int | None = None
+    memory_method: str = ""
+    flops: int | None = None
+    flops_per_s: float | None = None
+    attention_share: float | None = None
+    tokens_per_s: float | None = None
+    pct_peak: float | None = None
+
+    @property
+    def series(self) -> str:
+        return f"{self.kernel} {self.pass_} {self.device} {self.dtype}"
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["pass"] = data.pop("pass_")
+        return data
+
+
+@dataclass
+class Fit:
+    series: str
+    time_exponent: float | None
+    memory_exponent: float | None
+    time_exponent_upper: float | None
+    memory_exponent_upper: float | None
+    seq_lens: list[int] = field(default_factory=list)
+    upper_seq_lens: list[int] = field(default_factory=list)
+
+
+def fits(records: list[Record]) -> list[Fit]:
+    out = []
+    for series in dict.fromkeys(r.series for r in records):
+        ok = [r for r in records if r.series == series and r.status == "ok"]
+        xs = [r.seq_len for r in ok]
+        upper = upper_half(xs)
+        top = [r for r in ok if r.seq_len in upper]
+
+        def slope(rows, attr):
+            return loglog_slope([r.seq_len for r in rows], [getattr(r, attr) for r in rows])
+
+        out.append(Fit(series, slope(ok, "median_s"), slope(ok, "peak_bytes"),
+                       slope(top, "median_s"), slope(top, "peak_bytes"), xs, sorted(upper)))
+    return out
+
+
+def device_problem(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    if device.startswith("cuda"):
+        return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if device == "mps":
+        return None if torch.backends.mps.is_available() else "no MPS device"
+    return f"unknown device {device!r}"
+
+
+def environment(spec: Spec, kernels_ok: dict) -> dict:
+    devices = {}
+    for d in spec.devices:
+        if d.startswith("cuda") and torch.cuda.is_available():
+            devices[d] = torch.cuda.get_device_name()
+        elif d == "cpu":
+            devices[d] = platform.processor() or platform.machine()
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "devices": devices, "threads": spec.threads,
+            "kernels": kernels_ok}
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+        "out of memory" in str(err).lower() or "can't allocate memory" in str(err).lower())
+
+
+def _failure(err: BaseException) -> str:
+    if _is_oom(err):
+        return "OOM"
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"error: {type(err).__name__}: {text[:100]}"
+
+
+class Sweep:
+    def __init__(self, spec: Spec, cfg=None, on_record: Callable[[Record], None] = lambda r: None,
+                 on_progress: Callable[[str, int], None] = lambda desc, done: None,
+                 prepare: Callable | None = None,
+                 after_cell: Callable[[Record, Prepared], None] | None = None) -> None:
+        self.spec, self.cfg = spec, cfg
+        self.on_record, self.on_progress = on_record, on_progress
+        self.records: list[Record] = []
+        self.kernels_ok: dict[str, dict[str, str]] = {}
+        self.peaks: dict[tuple[str, str], float] = {}
+        self.interrupted = False
+        self._prepare = prepare or self._prepare_cell
+        self._after_cell = after_cell  # e.g. write a profiler trace of the measured cell
+        self._models: dict = {}
+        self._flops: dict = {}
+        self._live: list = []  # cells of the current length still being measured
+
+    @property
+    def total_cells(self) -> int:
+        s = self.spec
+        return len(s.seq_lens) * len(s.kernels) * len(s.passes) * len(s.devices) * len(s.dtypes)
+
+    def _emit(self, record: Record) -> None:
+        self.records.append(record)
+        self.on_record(record)
+
+    def _record(self, length: int, kernel: str, which: str, device: str, dtype: str,
+                status: str = "ok") -> Record:
+        s = self.spec
+        return Record(s.what, length, s.batch_for(length), kernel, which, device, dtype,
+                      s.threads, status)
+
+    # --- cells -------------------------------------------------------------------------------
+
+    def _model(self, kernel: str, device: str, dtype: str):
+        from tfcli.model import build_model
+
+        key = (kernel, device, dtype)
+        if key not in self._models:
+            torch.manual_seed(self.spec.seed)
+            model = build_model(self.cfg.replace(attention=kernel), device, DTYPES[dtype])
+            first = next(iter(m for k, m in self._models.items() if k[1:] == key[1:]), None)
+            if first is not None:
+                model.load_state_dict(first.state_dict())  # same weights for every kernel
+            self._models[key] = model
+        return self._models[key]
+
+    def _model_flops(self, batch: int, src_len: int, tgt_len: int) -> tuple[int, int]:
+        key = (batch, src_len, tgt_len)
+        if key not in self._flops:
+            from tfcli.model import build_model, example_inputs
+            from tfcli.shapes import trace
+
+            model = build_model(self.cfg, "meta")
+            inputs = {k: v for k, v in example_inputs(self.cfg, batch, src_len, tgt_len,
+                                                      "meta").items() if v is not None}
+            events = trace(model, inputs, causal_half=True)
+            attention = sum(e.flops for e in events if e.type == "Attend")
+            self._flops[key] = (events[0].flops, attention)
+        return self._flops[key]
+
+    def _prepare_cell(self, length: int, kernel: str, which: str, device: str,
+                      dtype: str) -> Prepared:
+        s = self.spec
+        batch = s.batch_for(length)
+        if s.what == "attention":
+            return prepare_attention(kernel, which, batch, s.heads, s.head_dim, length, s.causal,
+                                     device, DTYPES[dtype], s.seed)
+        tgt = s.tgt_len or length
+        return prepare_model(self._model(kernel, device, dtype), self.cfg, which, batch, length,
+                             tgt, device, self._model_flops(batch, length, tgt))
+
+    # --- the sweep ---------------------------------------------------------------------------
+
+    def run(self) -> list[Record]:
+        s = self.spec
+        done = 0
+        try:
+            for device in s.devices:
+                problem = device_problem(device)
+                for dtype in s.dtypes:
+                    if problem is None:
+                        self._probe_kernels(device, dtype)
+                    if s.calibrate and problem is None:
+                        self.on_progress(f"calibrating {device} {dtype} matmul peak", done)
+                        self.peaks[(device, dtype)] = calibrate_matmul(
+                            device, DTYPES[dtype], s.threads)
+                    for length in sorted(s.seq_lens):
+                        cells = [(k, p) for k in s.kernels for p in s.passes]
+                        if problem is not None:
+                            for k, p in cells:
+                                self._emit(self._record(length, k, p, device, dtype,
+                                                        f"skipped: {problem}"))
+                            done += len(cells)
+                            continue
+                        done = self._measure_length(length, cells, device, dtype, done)
+                        gc.collect()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            for record, timer, prepared in self._live:  # keep what was measured so far
+                if record not in self.records:
+                    record.status = "interrupted" if not timer.samples else "ok (interrupted)"
+                    self._finish(record, timer, prepared)
+        return self.records
+
+    def _probe_kernels(self, device: str, dtype: str) -> None:
+        results = self.kernels_ok.setdefault(f"{device} {dtype}", {})
+        for kernel in self.spec.kernels:
+            reason = probe(kernel, device, DTYPES[dtype])
+            results[kernel] = "ok" if reason is None else f"unsupported: {reason}"
+
+    def _measure_length(self, length: int, cells: list, device: str, dtype: str,
+                        done: int) -> int:
+        s = self.spec
+        live: list[tuple[Record, CellTimer, Prepared]] = []
+        reference = None  # the naive kernel's forward output at this length
+        for kernel, which in sorted(cells, key=lambda c: c[0] != "naive"):
+            record = self._record(length, kernel, which, device, dtype)
+            status = self.kernels_ok[f"{device} {dtype}"].get(kernel, "ok")
+            if status != "ok":
+                record.status = status
+                self._emit(record)
+                done += 1
+                continue
+            self.on_progress(f"L={length} {kernel} {which} {device} {dtype}: preparing", done)
+            try:
+                prepared = self._prepare(length, kernel, which, device, dtype)
+                if kernel == "naive" and reference is None:
+                    reference = prepared.output
+                elif reference is not None:
+                    diff = (prepared.output.float() - reference.float()).abs().max().item()
+                    if not diff <= TOLERANCE[DTYPES[dtype]] * max(1.0, reference.abs().max().item()):
+                        record.status = f"mismatch: max |diff| {diff:.3g} vs naive"
+                record.kernel_ran = kernel_ran(prepared.run) if kernel != "naive" else "matmul+softmax"
+                timer = CellTimer(prepared.run, device, s.threads)
+                if record.status == "ok":
+                    timer.warm_up(s.min_time / 5)
+                    record.peak_bytes, record.memory_method = peak_memory(prepared.run, device)
+            except Exception as err:  # a failed cell is a record, not a crash
+                record.status = _failure(err)
+            if record.status != "ok":
+                self._emit(record)
+                done += 1
+                continue
+            live.append((record, timer, prepared))
+
+        self._live = live
+        rounds = 0
+        while live:
+            rounds += 1
+            random.shuffle(live)
+            still = []
+            for record, timer, prepared in live:
+                self.on_progress(f"L={length} {record.kernel} {record.pass_} {device} {dtype}: "
+                                 f"round {rounds}", done)
+                try:
+                    timer.block()
+                except Exception as err:
+                    record.status = _failure(err)
+                spent = sum(timer.samples) * timer.number
+                enough = (spent >= s.min_time and len(timer.samples) >= 3) or spent >= s.max_time
+                if record.status != "ok" or enough:
+                    self._finish(record, timer, prepared)
+                    done += 1
+                else:
+                    still.append((record, timer, prepared))
+            live = self._live = still
+        return done
+
+    def _finish(self, record: Record, timer: CellTimer, prepared: Prepared) -> None:
+        if record.status.startswith("ok"):
+            record.median_s, record.iqr_s = timer.median, timer.iqr
+            record.n, record.runs = len(timer.samples), timer.runs
+            record.flops = prepared.flops
+            record.flops_per_s = prepared.flops / timer.median
+            record.attention_share = prepared.attention_share
+            record.tokens_per_s = prepared.tokens / timer.median
+            peak = self.peaks.get((record.device, record.dtype)) or _gpu_peak(record)
+            record.pct_peak = 100 * record.flops_per_s / peak if peak else None
+            if self._after_cell is not None and record.status == "ok":
+                self._after_cell(record, prepared)
+        self._emit(record)
+
+
+def _gpu_peak(record: Record) -> float | None:
+    if not record.device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peaks in GPU_PEAKS.items():
+        if key in name:
+            return peaks.get(record.dtype)
+    return None

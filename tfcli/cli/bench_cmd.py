@@ -1,0 +1,227 @@
+"""`tfcli bench`: attention alone and the configured model across sequence lengths."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+from tfcli.errors import TfcliError
+
+ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
+MODEL_KERNELS = ["naive", "sdpa"]
+
+
+def _choices(text: str, option: str, allowed: list[str]) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if not items or bad:
+        raise TfcliError(f"{option} {text!r}: choose from {', '.join(allowed)} (comma-separated)")
+    return list(dict.fromkeys(items))
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise TfcliError(f"--seq-lens {text!r}: expected positive integers, e.g. 256,512,1024")
+    return sorted(set(values))
+
+
+def _writable(path: Path | None, option: str, suffix: str | None = None) -> None:
+    if path is None:
+        return
+    if suffix and path.suffix.lower() != suffix:
+        raise TfcliError(f"{option} {str(path)!r}: the file name must end in {suffix}")
+    if not path.parent.exists():
+        raise TfcliError(f"{option} {str(path)!r}: no such directory {str(path.parent)!r}")
+
+
+def bench(
+    preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    what: Annotated[str, typer.Option(
+        help="attention: the attention core alone; model: the configured model.")] = "attention",
+    seq_lens: Annotated[str, typer.Option(
+        metavar="L,L,…", help="Sequence lengths (source and target = L).")] = "256,512,1024,2048",
+    pass_: Annotated[str, typer.Option(
+        "--pass", metavar="fwd,bwd,fwdbwd",
+        help="fwd: inference forward (no grad); bwd: backward alone, forward excluded; fwdbwd: "
+             "a training step.")] = "fwd,fwdbwd",
+    kernels: Annotated[Optional[str], typer.Option(
+        metavar="K,K,…", show_default=False,
+        help=f"Attention: {', '.join(ALL_KERNELS)} (default all; those that fail a probe on "
+             f"the device are reported, not run). Model: naive, sdpa.")] = None,
+    device: Annotated[str, typer.Option(
+        metavar="cpu,cuda,mps", help="Devices; an absent one is reported as skipped.")] = "cpu",
+    dtype: Annotated[str, typer.Option(metavar="fp32,bf16,fp16", help="Dtypes.")] = "fp32",
+    batch_size: Annotated[int, typer.Option(min=1, help="Batch size.")] = 1,
+    tokens: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Constant tokens per step: batch = tokens / L.")] = None,
+    tgt_len: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Model: fix the target length (default T = L).")] = None,
+    heads: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Attention: heads (default: the config's).")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Attention: d_k (default: the config's).")] = None,
+    causal: Annotated[bool, typer.Option(
+        "--causal", help="Attention: causal mask (FLOPs count half).")] = False,
+    threads: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False,
+        help="CPU threads for every timing (default: torch's, i.e. all cores).")] = None,
+    min_time: Annotated[float, typer.Option(
+        min=0.0, help="Seconds of measurement per cell, at least (and 3 samples).")] = 0.5,
+    max_time: Annotated[float, typer.Option(min=0.0, help="Seconds per cell, at most.")] = 5.0,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure this machine's matmul peak per device and dtype, for % "
+                            "of peak.")] = False,
+    csv_path: Annotated[Optional[Path], typer.Option(
+        "--csv", metavar="FILE", show_default=False,
+        help="Write records as CSV, a row as each cell finishes.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        metavar="FILE.png", show_default=False,
+        help="Log-log plot of time and memory against L (needs the 'plot' extra).")] = None,
+    profile: Annotated[Optional[Path], typer.Option(
+        metavar="DIR", show_default=False,
+        help="Write torch.profiler traces per cell (TensorBoard's PyTorch profiler plugin, "
+             "Perfetto).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for inputs and weights.")] = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
+    if what not in ("attention", "model"):
+        raise TfcliError(f"--what {what!r}: choose attention or model")
+    cfg = resolve_config(preset, config, set_)
+    lengths = _lengths(seq_lens)
+    passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
+    allowed = ALL_KERNELS if what == "attention" else MODEL_KERNELS
+    chosen = _choices(kernels, "--kernels", allowed) if kernels else allowed
+    devices = _choices(device, "--device", ["cpu", "cuda", "mps"])
+    dtypes = _choices(dtype, "--dtype", ["fp32", "bf16", "fp16"])
+    if max_time < min_time:
+        raise TfcliError(f"--max-time {max_time} is below --min-time {min_time}")
+    if tokens is not None and tokens < max(lengths):
+        raise TfcliError(f"--tokens {tokens} is below the longest length {max(lengths)}: "
+                         f"batch = tokens / L must be at least 1")
+    if what == "model":
+        longest = max(max(lengths), tgt_len or 0)
+        if cfg.positional != "none" and longest > cfg.max_seq_len:
+            raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg.max_seq_len}; "
+                             f"add --set max_seq_len={longest}")
+        if heads or head_dim or causal:
+            raise TfcliError("--heads, --head-dim and --causal apply to --what attention; "
+                             "the model's own come from its configuration")
+    elif tgt_len is not None:
+        raise TfcliError("--tgt-len applies to --what model")
+    _writable(csv_path, "--csv")
+    _writable(plot, "--plot", ".png")
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise TfcliError("--plot needs matplotlib: pip install 'tfcli[plot]'") from None
+    if profile is not None and profile.exists() and not profile.is_dir():
+        raise TfcliError(f"--profile {str(profile)!r}: exists and is not a directory")
+
+    import torch
+
+    from tfcli.bench.sweep import Spec
+
+    spec = Spec(what, lengths, chosen, passes, devices, dtypes, batch_size, tokens,
+                heads or cfg.n_heads, head_dim or cfg.d_k, causal, tgt_len,
+                threads or torch.get_num_threads(), min_time, max_time, calibrate, seed)
+    _run(spec, cfg, csv_path, plot, profile, json_out)
+
+
+def _run(spec, cfg, csv_path: Path | None, plot: Path | None, profile: Path | None,
+         json_out: bool) -> None:
+    """Run the sweep with progress on stderr, CSV rows as cells finish, then the outputs."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    from tfcli.bench.sweep import Sweep, environment, fits
+    from tfcli.render.bench import record_line, render
+
+    err = Console(stderr=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
+    csv_file = writer = None
+    if csv_path is not None:
+        csv_file = csv_path.open("w", newline="")
+    after_cell = _profiler(profile) if profile is not None else None
+
+    def on_record(record) -> None:
+        nonlocal writer
+        if csv_file is not None:
+            row = record.to_dict()
+            if writer is None:
+                writer = csv.DictWriter(csv_file, fieldnames=list(row))
+                writer.writeheader()
+            writer.writerow(row)
+            csv_file.flush()
+        progress.console.print(record_line(record), highlight=False)
+
+    sweep = None
+    with progress:
+        task = progress.add_task("starting", total=None)
+        sweep = Sweep(spec, cfg, on_record,
+                      lambda desc, done: progress.update(task, description=desc, completed=done,
+                                                         total=sweep.total_cells),
+                      after_cell=after_cell)
+        records = sweep.run()
+    if csv_file is not None:
+        csv_file.close()
+    fitted = fits(records)
+    env = environment(spec, sweep.kernels_ok)
+    if plot is not None and records:
+        from tfcli.render.bench_plot import save_plot
+
+        save_plot(records, plot)
+    if json_out:
+        print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
+                    "records": [r.to_dict() for r in records],
+                    "fits": [vars(f) for f in fitted],
+                    "flop_convention": "2 × multiply-accumulates of matrix products; backward "
+                                       "= 2 × forward; causal attention counts half"})
+    else:
+        console = stdout()
+        render(records, fitted, env, console, sweep.interrupted)
+        for path, what in ((csv_path, "records"), (plot, "plot")):
+            if path is not None:
+                console.print(f"wrote {what}: {path}")
+        if profile is not None:
+            console.print(f"wrote profiler traces to {profile}/ — view them with TensorBoard's "
+                          f"PyTorch profiler plugin (pip install 'tfcli[profile]'; tensorboard "
+                          f"--logdir {profile} --host 127.0.0.1), or open a *.pt.trace.json in "
+                          f"Perfetto or chrome://tracing")
+    if sweep.interrupted:
+        raise typer.Exit(130)
+
+
+def _profiler(directory: Path):
+    """A callback writing a short torch.profiler trace of each measured cell."""
+    def after_cell(record, prepared) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        from tfcli.memory import quiet_native_stderr
+
+        directory.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU]
+        if record.device.startswith("cuda"):
+            activities.append(ProfilerActivity.CUDA)
+        name = f"{record.kernel}_{record.pass_}_L{record.seq_len}_{record.device}_{record.dtype}"
+        handler = tensorboard_trace_handler(str(directory), worker_name=name)
+        with quiet_native_stderr(), profile(activities=activities, profile_memory=True,
+                                            record_shapes=True,
+                                            schedule=schedule(wait=0, warmup=1, active=2),
+                                            on_trace_ready=handler) as prof:
+            for _ in range(3):
+                prepared.run()
+                prof.step()
+
+    return after_cell
