@@ -217,7 +217,7 @@ def _profiler(directory: Path):
         name = f"{record.kernel}_{record.pass_}_L{record.seq_len}_{record.device}_{record.dtype}"
         handler = tensorboard_trace_handler(str(directory), worker_name=name)
         with quiet_native_stderr(), profile(activities=activities, profile_memory=True,
-                                            record_shapes=True,
+                                            record_shapes=True, acc_events=True,
                                             schedule=schedule(wait=0, warmup=1, active=2),
                                             on_trace_ready=handler) as prof:
             for _ in range(3):

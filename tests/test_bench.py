@@ -1,0 +1,240 @@
+"""`tfcli bench` machinery at tiny sizes and budgets: records, fits, FLOPs against torch's
+counter, failures as records, absent devices, interruption. Timing targets live in benchmarks/."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from tfcli.bench import cases
+from tfcli.bench.cases import prepare_attention
+from tfcli.bench.fit import loglog_slope, upper_half
+from tfcli.bench.sweep import Spec, Sweep, fits
+from tfcli.bench.timer import CellTimer
+from tfcli.flops import count_with_flop_counter
+from tfcli.presets import get_preset
+
+FAST = dict(heads=2, head_dim=8, min_time=0.005, max_time=0.05)
+FIELDS = {"seq_len", "batch_size", "kernel", "pass", "device", "dtype", "median_s", "iqr_s", "n",
+          "peak_bytes", "flops", "flops_per_s", "status"}
+
+
+def tiny_spec(**overrides) -> Spec:
+    base = dict(what="attention", seq_lens=[16, 32], kernels=["naive", "sdpa"],
+                passes=["fwd", "fwdbwd"], devices=["cpu"], dtypes=["fp32"], **FAST)
+    return Spec(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("exponent", [1.0, 2.0, 2.5])
+def test_fit_recovers_a_known_exponent(exponent):
+    xs = [128, 256, 512, 1024]
+    assert loglog_slope(xs, [3e-6 * x ** exponent for x in xs]) == pytest.approx(exponent)
+
+
+def test_fit_needs_two_lengths_and_upper_half_takes_the_larger():
+    assert loglog_slope([512], [1.0]) is None
+    assert upper_half([512, 1024, 2048, 4096]) == [1024, 2048, 4096]
+    assert upper_half([128, 256, 512]) == [256, 512]
+
+
+def test_fits_per_series_on_synthetic_records():
+    from tfcli.bench.sweep import Record
+
+    records = []
+    for length in (256, 512, 1024):
+        for kernel, t_exp, m_exp in (("naive", 2, 2), ("sdpa", 2, 1)):
+            r = Record("attention", length, 1, kernel, "fwd", "cpu", "fp32", 1)
+            r.median_s, r.peak_bytes = 1e-9 * length ** t_exp, 10 * length ** m_exp
+            records.append(r)
+    by_series = {f.series: f for f in fits(records)}
+    assert by_series["naive fwd cpu fp32"].memory_exponent == pytest.approx(2.0)
+    assert by_series["sdpa fwd cpu fp32"].memory_exponent == pytest.approx(1.0)
+    assert by_series["sdpa fwd cpu fp32"].time_exponent_upper == pytest.approx(2.0)
+
+
+def test_sweep_records_have_the_documented_fields():
+    sweep = Sweep(tiny_spec())
+    records = sweep.run()
+    assert len(records) == 2 * 2 * 2
+    for r in records:
+        data = r.to_dict()
+        assert FIELDS <= set(data) and r.status == "ok", data
+        assert r.n >= 1 and r.median_s > 0 and r.peak_bytes > 0 and r.iqr_s >= 0
+    sdpa = next(r for r in records if r.kernel == "sdpa" and r.pass_ == "fwd")
+    assert sdpa.kernel_ran == "flash (cpu)"  # what actually ran, not what was asked for
+
+
+@pytest.mark.parametrize("which,factor", [("fwd", 1), ("bwd", 2), ("fwdbwd", 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_flops_follow_the_stated_convention(which, factor, causal):
+    prepared = prepare_attention("sdpa", which, 2, 3, 8, 20, causal, "cpu", torch.float32)
+    full = 4 * 2 * 3 * 20 * 20 * 8
+    assert prepared.flops == factor * (full // 2 if causal else full)
+
+
+def test_attention_flops_agree_with_corrected_flop_counter():
+    q = torch.randn(2, 3, 40, 8)
+    prepared = prepare_attention("sdpa", "fwd", 2, 3, 8, 40, False, "cpu", torch.float32)
+    counted = count_with_flop_counter(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert counted.flop_counter == 0  # torch 2.13 as shipped: the CPU flash kernel counts 0
+    assert counted.corrected == prepared.flops
+
+
+def test_model_flops_agree_with_corrected_flop_counter():
+    from tfcli.model import build_model, example_inputs
+
+    cfg = get_preset("tiny").replace(dropout=0.0)
+    sweep = Sweep(tiny_spec(what="model", kernels=["sdpa"], passes=["fwd"]), cfg)
+    forward, attention = sweep._model_flops(2, 12, 12)
+    model = build_model(cfg).eval()
+    inputs = {k: v for k, v in example_inputs(cfg, 2, 12, 12).items() if v is not None}
+    counted = count_with_flop_counter(lambda: model(**inputs))
+    # The model convention halves causal attention; FlopCounterMode counts all of it.
+    causal_half = 4 * 2 * cfg.n_heads * 12 * 12 * cfg.d_k // 2 * cfg.n_decoder_layers
+    assert counted.corrected == forward + causal_half
+    assert 0 < attention < forward
+
+
+def test_model_sweep():
+    cfg = get_preset("tiny").replace(dropout=0.0)
+    records = Sweep(tiny_spec(what="model", passes=["fwd", "bwd"]), cfg).run()
+    assert all(r.status == "ok" for r in records), [r.status for r in records]
+    assert all(0 < r.attention_share < 1 for r in records)
+
+
+def test_a_failing_cell_is_a_record_and_the_sweep_goes_on():
+    spec = tiny_spec()
+    sweep = Sweep(spec)
+    real = sweep._prepare
+
+    def flaky(length, kernel, which, device, dtype):
+        if length == 32 and kernel == "sdpa" and which == "fwd":
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if length == 16 and kernel == "sdpa" and which == "fwdbwd":
+            raise NotImplementedError("no kernel for this dtype")
+        return real(length, kernel, which, device, dtype)
+
+    sweep._prepare = flaky
+    status = {(r.seq_len, r.kernel, r.pass_): r.status for r in sweep.run()}
+    assert status[(32, "sdpa", "fwd")] == "OOM"
+    assert status[(16, "sdpa", "fwdbwd")].startswith("error: NotImplementedError")
+    assert sum(s == "ok" for s in status.values()) == 6
+
+
+def test_a_kernel_disagreeing_with_naive_is_not_timed(monkeypatch):
+    original = cases.attention_fn
+
+    def wrong(kernel, causal, length, device):
+        fn = original(kernel, causal, length, device)
+        return (lambda q, k, v: fn(q, k, v) + 0.1) if kernel == "sdpa" else fn
+
+    monkeypatch.setattr(cases, "attention_fn", wrong)
+    records = Sweep(tiny_spec(passes=["fwd"])).run()
+    bad = [r for r in records if r.kernel == "sdpa"]
+    assert all(r.status.startswith("mismatch") and r.median_s is None for r in bad)
+
+
+def test_an_absent_device_is_a_clear_skip(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    records = Sweep(tiny_spec(devices=["cpu", "cuda"], seq_lens=[16])).run()
+    cuda = [r for r in records if r.device == "cuda"]
+    assert cuda and all(r.status.startswith("skipped: no CUDA device") for r in cuda)
+    assert all(r.status == "ok" for r in records if r.device == "cpu")
+
+
+def test_unsupported_backends_are_reported_not_run():
+    records = Sweep(tiny_spec(kernels=["sdpa", "sdpa-efficient"], seq_lens=[16])).run()
+    eff = [r for r in records if r.kernel == "sdpa-efficient"]
+    assert eff and all(r.status.startswith("unsupported") for r in eff)
+
+
+def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
+    calls = {"n": 0}
+    original = CellTimer.block
+
+    def block(self):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(CellTimer, "block", block)
+    sweep = Sweep(tiny_spec(seq_lens=[16, 32, 64], min_time=0.02))
+    records = sweep.run()
+    assert sweep.interrupted
+    # Cells under way keep their samples so far, marked as such.
+    assert any(r.status.startswith("ok") and r.median_s for r in records)
+    assert len(records) < sweep.total_cells  # it stopped early
+
+
+def test_interrupted_cli_writes_csv_and_exits_130(cli, monkeypatch, tmp_path):
+    calls = {"n": 0}
+    original = CellTimer.block
+
+    def block(self):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(CellTimer, "block", block)
+    path = tmp_path / "r.csv"
+    result = cli("bench", "--seq-lens", "16,32,64", "--heads", "2", "--head-dim", "8",
+                 "--min-time", "0.02", "--max-time", "0.05", "--csv", str(path))
+    assert result.exit_code == 130
+    assert "interrupted" in result.stdout
+    rows = list(csv.DictReader(path.open()))
+    assert rows and any(row["status"].startswith("ok") and row["median_s"] for row in rows)
+
+
+def test_json_through_the_cli(cli, tmp_path):
+    result = cli("bench", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8",
+                 "--kernels", "naive,sdpa", "--pass", "fwd", "--min-time", "0.005",
+                 "--max-time", "0.05", "--json", "--threads", "1",
+                 "--plot", str(tmp_path / "p.png"), "--profile", str(tmp_path / "traces"))
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["environment"]["threads"] == 1 and data["environment"]["torch"]
+    assert all(FIELDS <= set(r) for r in data["records"])
+    assert {f["series"] for f in data["fits"]} == {"naive fwd cpu fp32", "sdpa fwd cpu fp32"}
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((tmp_path / "traces").glob("*.pt.trace.json"))
+
+
+def test_table_through_the_cli(cli):
+    result = cli("bench", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8",
+                 "--kernels", "naive,sdpa-efficient", "--pass", "fwd", "--min-time", "0.005",
+                 "--max-time", "0.05", env={"COLUMNS": "140"})
+    assert result.exit_code == 0, result.stderr
+    assert "naive → matmul+softmax" in result.stdout
+    assert "not run: sdpa-efficient on cpu fp32: unsupported" in result.stdout
+    assert "naive fwd cpu fp32: time ∝ L^" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-lens", "x"], "--seq-lens 'x': expected positive integers"),
+    (["--seq-lens", "0,16"], "expected positive integers"),
+    (["--pass", "forward"], "--pass 'forward': choose from fwd, bwd, fwdbwd"),
+    (["--kernels", "flash"], "--kernels 'flash': choose from naive, sdpa"),
+    (["--device", "tpu"], "--device 'tpu': choose from cpu, cuda, mps"),
+    (["--dtype", "fp8"], "--dtype 'fp8': choose from fp32, bf16, fp16"),
+    (["--what", "layer"], "--what 'layer': choose attention or model"),
+    (["--min-time", "2", "--max-time", "1"], "--max-time 1.0 is below --min-time 2.0"),
+    (["--tokens", "8"], "--tokens 8 is below the longest length 16"),
+    (["--tgt-len", "8"], "--tgt-len applies to --what model"),
+    (["--what", "model", "--heads", "4"], "apply to --what attention"),
+    (["--what", "model", "--seq-lens", "128"], "128 exceeds max_seq_len=64"),
+    (["--what", "model", "--kernels", "sdpa-flash"], "choose from naive, sdpa"),
+    (["--plot", "p.jpg"], "the file name must end in .png"),
+    (["--csv", "/no/such/dir/r.csv"], "no such directory"),
+    (["--threads", "0"], "Invalid value for '--threads'"),
+])
+def test_bad_options(cli, args, message):
+    result = cli("bench", "--preset", "tiny", "--seq-lens", "16", *args) if "--seq-lens" not in args \
+        else cli("bench", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == ""
