@@ -53,7 +53,7 @@ def shapes(
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
     from tfcli import masks
-    from tfcli.flops import CONVENTION, count_with_flop_counter
+    from tfcli.flops import CONVENTION, count_with_flop_counter, flop_counting
     from tfcli.model import build_model, example_inputs
     from tfcli.render.shapes import build_tree, flops_text
     from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, trace
@@ -84,7 +84,8 @@ def shapes(
 
     names = dimension_names(cfg, batch_size, src_len, tgt_len)
     try:
-        events = trace(model, inputs, causal_half=causal_flops)
+        with flop_counting() as counter:  # one forward pass: the trace, counted by torch too
+            events = trace(model, inputs, causal_half=causal_flops)
     except ForwardFailed as failure:
         if json_out:
             print_json({"error": str(failure), "events": [vars(e) for e in failure.events]})
@@ -95,15 +96,9 @@ def shapes(
         raise typer.Exit(1)
 
     forward = events[0].flops
-
-    def run() -> None:
-        out = model(**inputs)
-        if backward:
-            out.float().sum().backward()
-
-    if backward:
-        model.train()  # fake weights need grads only for the counter's backward pass
-    counter = count_with_flop_counter(run)
+    if backward:  # a second pass, forward and backward, for the counter
+        model.train()
+        counter = count_with_flop_counter(lambda: model(**inputs).float().sum().backward())
     ours = forward * (3 if backward else 1)
     reasons = []
     if causal_flops:

@@ -1,0 +1,82 @@
+"""What the inspection commands cost, in fresh processes: wall time and peak RSS, beside
+`python -c "import torch"`, torchinfo.summary on the same model, and `python -c pass`."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.conftest import PYTHON, TFCLI, best_of
+
+BIG = ["--preset", "vaswani-big"]
+SEVEN_B = ["--preset", "gpt2-small", "--set", "n_decoder_layers=32", "--set", "d_model=4096",
+           "--set", "n_heads=32", "--set", "d_ff=16384", "--set", "tgt_vocab_size=32000",
+           "--set", "max_seq_len=4096", "--set", "tie_embeddings=none"]
+TORCHINFO = ("import torchinfo; from tfcli.presets import get_preset; "
+             "from tfcli.model import build_model; "
+             "torchinfo.summary(build_model(get_preset('vaswani-big')), verbose=0)")
+
+
+def _record(benchmark, **figures):
+    benchmark.extra_info.update({k: round(v, 3) for k, v in figures.items()})
+    print("\n" + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+
+
+SHAPES_MISS = pytest.mark.xfail(
+    strict=False, reason="known miss: meta-device ops go through torch._refs, whose first call "
+    "imports torch._dynamo (~0.9 s in torch 2.13); measured ~1.45 s beyond import torch")
+
+
+@pytest.mark.parametrize("command", ["params", pytest.param("shapes", marks=SHAPES_MISS)])
+def test_big_model_inspection(benchmark, measuring, command):
+    repeat = 3 if measuring else 1
+    ours_s, ours_mb = benchmark.pedantic(best_of, args=(TFCLI + [command] + BIG, repeat),
+                                         rounds=1, iterations=1)
+    torch_s, torch_mb = best_of([PYTHON, "-c", "import torch"], repeat)
+    _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_torch_seconds=torch_s,
+            beyond_import_torch=ours_s - torch_s)
+    assert ours_mb < 500  # memory is deterministic enough to check in smoke runs too
+    if measuring:
+        assert ours_s - torch_s < 1.0
+
+
+def _against_torchinfo(benchmark):
+    ours_s, ours_mb = benchmark.pedantic(best_of, args=(TFCLI + ["params"] + BIG, 3),
+                                         rounds=1, iterations=1)
+    info_s, info_mb = best_of([PYTHON, "-c", TORCHINFO], 3)
+    torch_s, _ = best_of([PYTHON, "-c", "import torch"], 3)
+    _record(benchmark, tfcli_seconds=ours_s, tfcli_mib=ours_mb, torchinfo_seconds=info_s,
+            torchinfo_mib=info_mb, speedup=info_s / ours_s, memory_ratio=info_mb / ours_mb,
+            speedup_beyond_import_torch=(info_s - torch_s) / (ours_s - torch_s))
+    return info_s / ours_s, info_mb / ours_mb
+
+
+def test_params_smaller_than_torchinfo(benchmark):
+    _, memory_ratio = _against_torchinfo(benchmark)
+    assert memory_ratio >= 4
+
+
+@pytest.mark.xfail(strict=False, reason="known miss: both tools pay import torch (~1.2 s), "
+                   "which bounds the ratio; measured 2.4x overall, ~7x beyond import torch")
+def test_params_faster_than_torchinfo(benchmark, measuring):
+    if not measuring:
+        pytest.skip("a ratio needs timing: run with --benchmark-only")
+    speedup, _ = _against_torchinfo(benchmark)
+    assert speedup >= 3
+
+
+@pytest.mark.parametrize("command", ["params", "shapes"])
+def test_seven_b_inspection(benchmark, command):
+    seconds, mib = benchmark.pedantic(best_of, args=(TFCLI + [command] + SEVEN_B, 1), rounds=1,
+                                      iterations=1)
+    _record(benchmark, seconds=seconds, peak_rss_mib=mib)
+    assert mib < 1024
+
+
+def test_help_startup(benchmark, measuring):
+    repeat = 5 if measuring else 1
+    ours, _ = benchmark.pedantic(best_of, args=(TFCLI + ["--help"], repeat), rounds=1,
+                                 iterations=1)
+    bare, _ = best_of([PYTHON, "-c", "pass"], repeat)
+    _record(benchmark, help_seconds=ours, python_pass_seconds=bare, beyond=ours - bare)
+    if measuring:
+        assert ours - bare < 0.3
