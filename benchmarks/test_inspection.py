@@ -26,8 +26,10 @@ SHAPES_MISS = pytest.mark.xfail(
     "imports torch._dynamo (~0.9 s in torch 2.13); measured ~1.45 s beyond import torch")
 
 
-@pytest.mark.parametrize("command", ["params", pytest.param("shapes", marks=SHAPES_MISS)])
-def test_big_model_inspection(benchmark, measuring, command):
+@pytest.mark.parametrize("command", ["params", "shapes"])
+def test_big_model_inspection(benchmark, measuring, request, command):
+    if command == "shapes" and measuring:  # the memory half holds; the time half is a known miss
+        request.applymarker(SHAPES_MISS)
     repeat = 3 if measuring else 1
     ours_s, ours_mb = benchmark.pedantic(best_of, args=(TFCLI + [command] + BIG, repeat),
                                          rounds=1, iterations=1)
