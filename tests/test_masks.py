@@ -171,8 +171,8 @@ def test_png(cli, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--src-lens", "5,x"], "--src-lens '5,x': expected lengths per sequence"),
-    (["--src-lens", "5,-1"], "--src-lens '5,-1': expected lengths per sequence"),
+    (["--src-lens", "5,x"], "--src-lens '5,x': expected non-negative integers, e.g."),
+    (["--src-lens", "5,-1"], "--src-lens '5,-1': expected non-negative integers, e.g."),
     (["--src-lens", "5,3", "--tgt-lens", "4"], "source and target batches differ in size"),
     (["--src-lens", "3", "--src-ids", "1,2"], "give one or the other"),
     (["--tgt-ids", "1,2;3"], "expected equal-length sequences"),

@@ -178,7 +178,7 @@ def test_expand_shows_every_layer(cli):
      else "Invalid value for '--device'"),
     (["--src-len", "65"], "--src-len 65 exceeds max_seq_len=64"),
     (["--src-lens", "3"], "give 2 lengths (--batch-size), each in 0..9"),
-    (["--src-lens", "3,x"], "--src-lens '3,x': expected lengths"),
+    (["--src-lens", "3,x"], "--src-lens '3,x': expected non-negative integers"),
     (["--depth", "-1"], "Invalid value for '--depth'"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),
 ])

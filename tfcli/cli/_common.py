@@ -43,6 +43,18 @@ def resolve_config(preset: str | None, config: Path | None, overrides: list[str]
     return load_config(preset, config, overrides or [])
 
 
+def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int]:
+    """Parse "5,3" for options that take integers per sequence or per length."""
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        values = []
+    if not values or any(v < minimum for v in values):
+        kind = "positive integers" if minimum > 0 else "non-negative integers"
+        raise TfcliError(f"{option} {text!r}: expected {kind}, e.g. {option} {example}")
+    return values
+
+
 def stdout() -> Console:
     """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals. Written to
     a file or pipe, tables are 120 columns wide (COLUMNS overrides), not Rich's 80."""

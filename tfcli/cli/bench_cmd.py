@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
+                               resolve_config, stdout)
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -21,16 +22,6 @@ def _choices(text: str, option: str, allowed: list[str]) -> list[str]:
     if not items or bad:
         raise TfcliError(f"{option} {text!r}: choose from {', '.join(allowed)} (comma-separated)")
     return list(dict.fromkeys(items))
-
-
-def _lengths(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
-        raise TfcliError(f"--seq-lens {text!r}: expected positive integers, e.g. 256,512,1024")
-    return sorted(set(values))
 
 
 def _writable(path: Path | None, option: str, suffix: str | None = None) -> None:
@@ -96,7 +87,7 @@ def bench(
     if what not in ("attention", "model"):
         raise TfcliError(f"--what {what!r}: choose attention or model")
     cfg = resolve_config(preset, config, set_)
-    lengths = _lengths(seq_lens)
+    lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else MODEL_KERNELS
     chosen = _choices(kernels, "--kernels", allowed) if kernels else allowed

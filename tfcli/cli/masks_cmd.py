@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
+                               resolve_config, stdout)
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
@@ -21,16 +22,6 @@ class Convention(str, Enum):
     additive = "additive"
 
 
-def _parse_lengths(text: str, option: str) -> list[int]:
-    try:
-        lengths = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        lengths = []
-    if not lengths or any(n < 0 for n in lengths):
-        raise TfcliError(f"{option} {text!r}: expected lengths per sequence, e.g. {option} 5,3")
-    return lengths
-
-
 def _parse_ids(text: str, option: str) -> list[list[int]]:
     try:
         rows = [[int(tok) for tok in row.replace(",", " ").split()] for row in text.split(";")]
@@ -40,10 +31,6 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
         raise TfcliError(f"{option} {text!r}: expected equal-length sequences of token ids "
                          f"separated by ';', e.g. {option} '5,6,0;7,0,0'")
     return rows
-
-
-LensOpt = Annotated[Optional[str], typer.Option(metavar="N,N,…", show_default=False)]
-IdsOpt = Annotated[Optional[str], typer.Option(metavar="IDS;IDS", show_default=False)]
 
 
 def masks(
@@ -102,17 +89,17 @@ def masks(
             ids_given[side] = torch.tensor(_parse_ids(ids, f"--{side}-ids"))
             valid[side] = mask_fns.valid_from_ids(ids_given[side], pad_id)
         elif lens is not None:
-            valid[side] = mask_fns.valid_from_lengths(_parse_lengths(lens, f"--{side}-lens"))
+            valid[side] = mask_fns.valid_from_lengths(int_list(lens, f"--{side}-lens", "5,3"))
     batch = {v.size(0) for v in valid.values()}
     if len(batch) > 1:
         raise TfcliError(f"source and target batches differ in size ({' vs '.join(map(str, batch))}"
                          "): give one length (or id row) per sequence on both sides")
     batch_size = batch.pop() if batch else len(DEFAULT_LENS["src"])
+    any_given = any(v is not None for pair in given.values() for v in pair)
     for side in sides:
         if side not in valid:
             # Nothing given: the defaults. One side given: no padding on the other.
-            default = DEFAULT_LENS[side] if not given_any(given) else \
-                [max(DEFAULT_LENS[side])] * batch_size
+            default = DEFAULT_LENS[side] if not any_given else [max(DEFAULT_LENS[side])] * batch_size
             valid[side] = mask_fns.valid_from_lengths(default)
         length = valid[side].size(1)
         if length == 0 or length > cfg.max_seq_len:
@@ -157,10 +144,6 @@ def masks(
             console.print(f"\nwrote {png}")
     if report is not None and not report.passed:
         raise typer.Exit(1)
-
-
-def given_any(given: dict) -> bool:
-    return any(v is not None for pair in given.values() for v in pair)
 
 
 def _to_json(cfg, items, valid, convention, report) -> dict:

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config, stdout
+from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
+                               resolve_config, stdout)
 from tfcli.errors import TfcliError
 
 
@@ -56,7 +57,7 @@ def shapes(
     from tfcli.flops import CONVENTION, count_with_flop_counter, flop_counting
     from tfcli.model import build_model, example_inputs
     from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, trace
+    from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
 
     cfg = resolve_config(preset, config, set_)
     _check_device(device.value)
@@ -73,10 +74,7 @@ def shapes(
         if side not in inputs:
             raise TfcliError(f"--{side}-lens: this {cfg.kind} model has no "
                              f"{'source' if side == 'src' else 'target'} side")
-        try:
-            lens = [int(n) for n in text.split(",")]
-        except ValueError:
-            raise TfcliError(f"--{side}-lens {text!r}: expected lengths, e.g. 5,3") from None
+        lens = int_list(text, f"--{side}-lens", "5,3")
         if len(lens) != batch_size or not all(0 <= n <= lengths[side] for n in lens):
             raise TfcliError(f"--{side}-lens {text!r}: give {batch_size} lengths (--batch-size), "
                              f"each in 0..{lengths[side]} (--{side}-len)")
@@ -112,9 +110,9 @@ def shapes(
         print_json({
             "dims": names, "ambiguous": unclear, "device": device.value,
             "events": [{**vars(e), "details": [vars(d) for d in e.details],
-                        "inputs_symbolic": [None if s is None else symbolic_of(s, names)
+                        "inputs_symbolic": [None if s is None else symbolic(s, names)
                                             for s in e.inputs],
-                        "outputs_symbolic": [None if s is None else symbolic_of(s, names)
+                        "outputs_symbolic": [None if s is None else symbolic(s, names)
                                              for s in e.outputs]} for e in events],
             "flops": {"forward": forward, "backward": 2 * forward if backward else None,
                       "convention": CONVENTION, "causal_half": causal_flops,
@@ -143,8 +141,3 @@ def shapes(
     for reason in reasons:
         console.print(f"  remaining difference: {reason}")
 
-
-def symbolic_of(shape, names):
-    from tfcli.shapes import symbolic
-
-    return symbolic(shape, names)
