@@ -238,3 +238,13 @@ def test_bad_options(cli, args, message):
         else cli("bench", "--preset", "tiny", *args)
     assert result.exit_code == 2 and message in result.stderr, result.stderr
     assert result.stdout == ""
+
+
+def test_profile_traces_and_how_to_open_them(cli, tmp_path):
+    """Also a regression test: brackets in printed text are not taken for Rich markup."""
+    traces = tmp_path / "traces [run 1]"
+    result = cli("bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels",
+                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--profile", str(traces))
+    assert result.exit_code == 0, result.stderr
+    assert "pip install 'tfcli[profile]'" in result.stdout and str(traces) in result.stdout
+    assert len(list(traces.glob("sdpa_fwd_L16_cpu_fp32*.pt.trace.json"))) == 1

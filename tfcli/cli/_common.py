@@ -58,9 +58,9 @@ def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int
 def stdout() -> Console:
     """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals. Written to
     a file or pipe, tables are 120 columns wide (COLUMNS overrides), not Rich's 80."""
-    console = Console()
+    console = Console(markup=False)  # paths and messages may hold [brackets]: never markup
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=120)
+        console = Console(markup=False, width=120)
     return console
 
 

@@ -138,7 +138,7 @@ def _run(spec, cfg, csv_path: Path | None, plot: Path | None, profile: Path | No
     from tfcli.bench.sweep import Sweep, environment, fits
     from tfcli.render.bench import record_line, render
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, markup=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
     csv_file = writer = None

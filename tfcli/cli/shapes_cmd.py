@@ -125,8 +125,8 @@ def shapes(
     legend = "  ".join(f"{k}={v}" for k, v in names.items())
     console.print(f"dimensions: {legend}")
     for line in unclear:
-        console.print(f"[yellow]ambiguous: size {line}; choose other example sizes "
-                      f"(--batch-size, --src-len, --tgt-len)[/yellow]")
+        console.print(f"ambiguous: size {line}; choose other example sizes "
+                      f"(--batch-size, --src-len, --tgt-len)", style="yellow")
     console.print(build_tree(events, names, depth, expand, backward,
                              f"{cfg.kind} on {device.value}"))
     what = "forward+backward" if backward else "forward"

@@ -83,7 +83,7 @@ def render(records: list[Record], fitted: list[Fit], env: dict, console: Console
     console.print(f"{FLOP_CONVENTION}. Peak memory: {', '.join(methods) or '—'}. "
                   f"Threads: {env['threads']}. torch {env['torch']}.")
     if interrupted:
-        console.print("[bold]interrupted: the table holds what was measured before Ctrl-C[/bold]")
+        console.print("interrupted: the table holds what was measured before Ctrl-C", style="bold")
 
 
 def _fmt(x: float | None) -> str:
