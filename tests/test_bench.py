@@ -232,6 +232,10 @@ def test_table_through_the_cli(cli):
     (["--plot", "p.jpg"], "the file name must end in .png"),
     (["--csv", "/no/such/dir/r.csv"], "no such directory"),
     (["--threads", "0"], "Invalid value for '--threads'"),
+    (["--min-time", "-1"], "Invalid value for '--min-time'"),
+    (["--batch-size", "0"], "Invalid value for '--batch-size'"),
+    (["--heads", "0"], "Invalid value for '--heads'"),
+    (["--profile", __file__], "exists and is not a directory"),  # a file, not a directory
 ])
 def test_bad_options(cli, args, message):
     result = cli("bench", "--preset", "tiny", "--seq-lens", "16", *args) if "--seq-lens" not in args \

@@ -180,6 +180,10 @@ def test_png(cli, tmp_path):
     (["--src-lens", "65"], "padded length 65 must be in 1..max_seq_len=64"),
     (["--convention", "float"], "Invalid value for '--convention'"),
     (["--png", "out.jpg"], "the file name must end in .png"),
+    (["--png", "/no/such/dir/m.png"], "no such directory"),
+    (["--max-grid", "2"], "Invalid value for '--max-grid'"),
+    (["--pad-id", "x"], "Invalid value for '--pad-id'"),
+    (["--batch-index", "-1"], "Invalid value for '--batch-index'"),
 ])
 def test_bad_options(cli, args, message):
     result = cli("masks", "--preset", "tiny", *args)

@@ -181,6 +181,8 @@ def test_expand_shows_every_layer(cli):
     (["--src-lens", "3,x"], "--src-lens '3,x': expected non-negative integers"),
     (["--depth", "-1"], "Invalid value for '--depth'"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),
+    (["--tgt-len", "0"], "Invalid value for '--tgt-len'"),
+    (["--tgt-lens", "9,1"], "each in 0..7 (--tgt-len)"),
 ])
 def test_bad_options(cli, args, message):
     result = cli("shapes", "--preset", "tiny", *args)
