@@ -10,7 +10,7 @@ from torch import nn
 
 from benchmarks.conftest import synced
 from tfcli.bench.timer import CellTimer
-from tfcli.model import build_model, example_inputs
+from tfcli.model import build_model
 from tfcli.presets import get_preset
 from tfcli.reference import load_from_torch_transformer
 

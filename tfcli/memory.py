@@ -86,7 +86,7 @@ class _SavedTensors:
         return t
 
     def _classify(self, t: Tensor) -> str:
-        for module, lengths in reversed(self._stack):
+        for _module, lengths in reversed(self._stack):
             if lengths is not None:
                 quadratic = t.dim() >= 2 and tuple(t.shape[-2:]) == lengths
                 return "attention matrices" if quadratic else "attention"

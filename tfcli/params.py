@@ -69,13 +69,13 @@ class ParamReport:
 def freeze(model: nn.Module, patterns: list[str]) -> None:
     """Mark parameters frozen whose name, or any enclosing module path, matches a glob."""
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-    for pattern in patterns:
-        def hit(name: str) -> bool:
-            parts = name.split(".")
-            return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern)
-                       for i in range(1, len(parts) + 1))
+    def hit(name: str, pattern: str) -> bool:
+        parts = name.split(".")
+        return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern)
+                   for i in range(1, len(parts) + 1))
 
-        matched = [n for n in names if hit(n)]
+    for pattern in patterns:
+        matched = [n for n in names if hit(n, pattern)]
         if not matched:
             tops = ", ".join(n for n, _ in model.named_children())
             raise TfcliError(f"--freeze {pattern!r} matches no parameter; paths look like "
@@ -134,7 +134,7 @@ def param_report(model: nn.Module) -> ParamReport:
             shared_with=sorted({a for n, p in direct for a in names[id(p)] if a != prefix + n}),
             tied_to={n: owner[id(p)] for n, p in direct if owner[id(p)] != prefix + n},
             container=isinstance(module, containers)))
-        for n, p in own:
+        for _, p in own:
             chain = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
             by_kind[_kind(chain, parts[0] if parts else "")] += p.numel()
             top = parts[0] if parts else "(model)"

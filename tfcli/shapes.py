@@ -77,7 +77,7 @@ def trace(model: nn.Module, inputs: dict, causal_half: bool = False) -> list[Sha
     events: list[ShapeEvent] = []
     stack: list[tuple[ShapeEvent, tuple]] = []  # calls under way, with their arguments
     depth_of: dict[str, int] = {}
-    for path, module in model.named_modules():
+    for path, _module in model.named_modules():
         parts = path.split(".") if path else []
         depth_of[path] = len(parts) - sum(
             isinstance(model.get_submodule(".".join(parts[:i])), containers)

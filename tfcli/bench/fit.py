@@ -8,7 +8,7 @@ import math
 def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
     """Slope of the least-squares line through (log x, log y); None with fewer than two
     distinct positive points."""
-    points = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
+    points = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y and y > 0]
     if len({p[0] for p in points}) < 2:
         return None
     mx = sum(p[0] for p in points) / len(points)

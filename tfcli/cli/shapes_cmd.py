@@ -91,7 +91,7 @@ def shapes(
             stdout().print(build_tree(failure.events, names, depth, True, False,
                                       "partial trace (the forward pass failed)"))
             typer.echo(f"tfcli: {failure}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
     forward = events[0].flops
     if backward:  # a second pass, forward and backward, for the counter

@@ -23,7 +23,7 @@ def save_png(items, batch: int, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(items), figsize=(3.2 * len(items), 3.6), squeeze=False)
     colours = ListedColormap(["#d9534f", "#5cb85c"])  # blocked, may attend
-    for ax, (named, allowed, q_valid, k_valid) in zip(axes[0], items):
+    for ax, (named, allowed, q_valid, k_valid) in zip(axes[0], items, strict=True):
         ax.imshow(allowed[batch].int().tolist(), cmap=colours, vmin=0, vmax=1)
         ax.set_title(named.name, fontsize=9)
         ax.set_xlabel("keys (* padding)", fontsize=8)
