@@ -36,6 +36,7 @@ def _writable(path: Path | None, option: str, suffix: str | None = None) -> None
 def bench(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     what: Annotated[str, typer.Option(
+        metavar="attention|model",
         help="attention: the attention core alone; model: the configured model.")] = "attention",
     seq_lens: Annotated[str, typer.Option(
         metavar="L,L,…", help="Sequence lengths (source and target = L).")] = "256,512,1024,2048",
