@@ -152,17 +152,22 @@ def test_unsupported_backends_are_reported_not_run():
     assert eff and all(r.status.startswith("unsupported") for r in eff)
 
 
-def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
+def ctrl_c_at_block(monkeypatch, n: int) -> None:
+    """Press Ctrl-C (raise KeyboardInterrupt) when the n-th timing block starts."""
     calls = {"n": 0}
     original = CellTimer.block
 
     def block(self):
         calls["n"] += 1
-        if calls["n"] == 12:
+        if calls["n"] == n:
             raise KeyboardInterrupt
         return original(self)
 
     monkeypatch.setattr(CellTimer, "block", block)
+
+
+def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
+    ctrl_c_at_block(monkeypatch, 12)
     sweep = Sweep(tiny_spec(seq_lens=[16, 32, 64], min_time=0.02))
     records = sweep.run()
     assert sweep.interrupted
@@ -172,16 +177,7 @@ def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
 
 
 def test_interrupted_cli_writes_csv_and_exits_130(cli, monkeypatch, tmp_path):
-    calls = {"n": 0}
-    original = CellTimer.block
-
-    def block(self):
-        calls["n"] += 1
-        if calls["n"] == 10:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(CellTimer, "block", block)
+    ctrl_c_at_block(monkeypatch, 10)
     path = tmp_path / "r.csv"
     result = cli("bench", "--seq-lens", "16,32,64", "--heads", "2", "--head-dim", "8",
                  "--min-time", "0.02", "--max-time", "0.05", "--csv", str(path))
@@ -252,3 +248,12 @@ def test_profile_traces_and_how_to_open_them(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "pip install 'tfcli[profile]'" in result.stdout and str(traces) in result.stdout
     assert len(list(traces.glob("sdpa_fwd_L16_cpu_fp32*.pt.trace.json"))) == 1
+
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/cpuinfo"), reason="needs Linux")
+def test_environment_names_the_cpu():
+    from tfcli.bench.sweep import environment
+
+    name = environment(tiny_spec(), {})["devices"]["cpu"]
+    assert name and name not in ("x86_64", "aarch64")  # a model name, not an architecture

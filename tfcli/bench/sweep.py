@@ -127,10 +127,22 @@ def environment(spec: Spec, kernels_ok: dict) -> dict:
         if d.startswith("cuda") and torch.cuda.is_available():
             devices[d] = torch.cuda.get_device_name()
         elif d == "cpu":
-            devices[d] = platform.processor() or platform.machine()
+            devices[d] = _cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "devices": devices, "threads": spec.threads,
             "kernels": kernels_ok}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (platform.processor() is empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _is_oom(err: BaseException) -> bool:

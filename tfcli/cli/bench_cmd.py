@@ -158,7 +158,6 @@ def _run(spec, cfg, csv_path: Path | None, plot: Path | None, profile: Path | No
             csv_file.flush()
         progress.console.print(record_line(record), highlight=False)
 
-    sweep = None
     with progress:
         task = progress.add_task("starting", total=None)
         sweep = Sweep(spec, cfg, on_record,
