@@ -11,8 +11,8 @@ BIG = ["--preset", "vaswani-big"]
 SEVEN_B = ["--preset", "gpt2-small", "--set", "n_decoder_layers=32", "--set", "d_model=4096",
            "--set", "n_heads=32", "--set", "d_ff=16384", "--set", "tgt_vocab_size=32000",
            "--set", "max_seq_len=4096", "--set", "tie_embeddings=none"]
-TORCHINFO = ("import torchinfo; from tfcli.presets import get_preset; "
-             "from tfcli.model import build_model; "
+TORCHINFO = ("import torchinfo; from tfcli.model.presets import get_preset; "
+             "from tfcli.model.transformer import build_model; "
              "torchinfo.summary(build_model(get_preset('vaswani-big')), verbose=0)")
 
 

@@ -10,9 +10,9 @@ from torch import nn
 
 from benchmarks.conftest import synced
 from tfcli.bench.timer import CellTimer
-from tfcli.model import build_model
-from tfcli.presets import get_preset
-from tfcli.reference import load_from_torch_transformer
+from tfcli.model.transformer import build_model
+from tfcli.model.presets import get_preset
+from tfcli.model.reference import load_from_torch_transformer
 
 SHAPES = {  # preset -> (d_model, heads, layers, d_ff, batch, length)
     "tiny": (32, 4, 2, 48, 8, 64),

@@ -14,8 +14,8 @@ from tfcli.bench.cases import prepare_attention
 from tfcli.bench.fit import loglog_slope, upper_half
 from tfcli.bench.sweep import Spec, Sweep, fits
 from tfcli.bench.timer import CellTimer
-from tfcli.flops import count_with_flop_counter
-from tfcli.presets import get_preset
+from tfcli.inspection.flops import count_with_flop_counter
+from tfcli.model.presets import get_preset
 
 FAST = dict(heads=2, head_dim=8, min_time=0.005, max_time=0.05)
 FIELDS = {"seq_len", "batch_size", "kernel", "pass", "device", "dtype", "median_s", "iqr_s", "n",
@@ -85,7 +85,7 @@ def test_attention_flops_agree_with_corrected_flop_counter():
 
 
 def test_model_flops_agree_with_corrected_flop_counter():
-    from tfcli.model import build_model, example_inputs
+    from tfcli.model.transformer import build_model, example_inputs
 
     cfg = get_preset("tiny").replace(dropout=0.0)
     sweep = Sweep(tiny_spec(what="model", kernels=["sdpa"], passes=["fwd"]), cfg)

@@ -8,7 +8,7 @@ import sys
 import tomllib
 
 from tfcli import __version__
-from tfcli.presets import PRESETS
+from tfcli.model.presets import PRESETS
 
 
 def test_version(cli):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tfcli.config import Config, load_config, to_toml
+from tfcli.model.config import Config, load_config, to_toml
 from tfcli.errors import ConfigError
-from tfcli.presets import PRESETS, get_preset
+from tfcli.model.presets import PRESETS, get_preset
 
 
 def test_default_is_the_papers_base_model():

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfcli import masks
-from tfcli.attention import Attend
-from tfcli.maskcheck import mask_set
-from tfcli.presets import get_preset
+from tfcli.model import masks
+from tfcli.model.attention import Attend
+from tfcli.inspection.maskcheck import mask_set
+from tfcli.model.presets import get_preset
 
 
 def test_causal_is_torchs_subsequent_mask_inverted():

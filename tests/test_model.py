@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tfcli import masks
-from tfcli.config import Config
-from tfcli.counting import count_params
+from tfcli.model import masks
+from tfcli.model.config import Config
+from tfcli.model.counting import count_params
 from tfcli.errors import ConfigError, InputError
-from tfcli.model import build_model
-from tfcli.presets import PRESETS, get_preset
-from tfcli.reference import load_from_torch_transformer
+from tfcli.model.transformer import build_model
+from tfcli.model.presets import PRESETS, get_preset
+from tfcli.model.reference import load_from_torch_transformer
 
 TINY = get_preset("tiny")
 
@@ -270,7 +270,7 @@ def test_padding_from_ids_and_lengths_agree():
 def test_sinusoidal_table_is_the_papers_formula():
     import math
 
-    from tfcli.model import SinusoidalPositions
+    from tfcli.model.transformer import SinusoidalPositions
 
     d_model = 10
     table = SinusoidalPositions(50, d_model).table

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torchinfo
 
-from tfcli.counting import count_params
-from tfcli.memory import (OPTIMIZER_STATES, estimate_activations, profile_peak_bytes,
+from tfcli.model.counting import count_params
+from tfcli.inspection.memory import (OPTIMIZER_STATES, estimate_activations, profile_peak_bytes,
                           training_loss, training_memory)
-from tfcli.model import build_model, example_inputs
-from tfcli.params import freeze, param_report
-from tfcli.presets import PRESETS, get_preset
+from tfcli.model.transformer import build_model, example_inputs
+from tfcli.inspection.params import freeze, param_report
+from tfcli.model.presets import PRESETS, get_preset
 from tfcli.render.params import display_rows
 
 PUBLISHED = {"torch-transformer": 44_140_544, "gpt2-small": 124_439_808}

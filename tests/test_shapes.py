@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from tfcli.flops import count_with_flop_counter
-from tfcli.model import FeedForward, build_model, example_inputs
-from tfcli.presets import get_preset
-from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
+from tfcli.inspection.flops import count_with_flop_counter
+from tfcli.model.transformer import FeedForward, build_model, example_inputs
+from tfcli.model.presets import get_preset
+from tfcli.inspection.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
 
 
 def run_trace(name, device="meta", batch=2, src=9, tgt=7, causal_half=False, **overrides):

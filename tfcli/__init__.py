@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfcli.config import Config, load_config
+from tfcli.model.config import Config, load_config
 from tfcli.errors import ConfigError, InputError, TfcliError
-from tfcli.presets import PRESETS, get_preset
+from tfcli.model.presets import PRESETS, get_preset
 
 __version__ = "0.1.0"
 
@@ -19,7 +19,7 @@ __all__ = ["Config", "ConfigError", "InputError", "PRESETS", "TfcliError", "Tran
 
 def __getattr__(name: str) -> Any:
     if name in ("Transformer", "build_model"):
-        from tfcli import model
+        from tfcli.model import transformer as model
 
         return getattr(model, name)
     raise AttributeError(f"module 'tfcli' has no attribute {name!r}")

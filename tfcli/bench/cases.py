@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tfcli.attention import Attend
+from tfcli.model.attention import Attend
 from tfcli.bench.timer import synchronize
-from tfcli.flops import attention_flops
+from tfcli.inspection.flops import attention_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION",
@@ -66,7 +66,7 @@ def kernel_ran(fn: Callable[[], object]) -> str:
     means the math path, whose backward is plain matmuls and softmax."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tfcli.memory import quiet_native_stderr
+    from tfcli.inspection.memory import quiet_native_stderr
 
     with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
@@ -124,7 +124,7 @@ def prepare_attention(kernel: str, which: str, batch: int, heads: int, head_dim:
 def prepare_model(model: torch.nn.Module, cfg, which: str, batch: int, src_len: int,
                   tgt_len: int, device: str, flops: tuple[int, int]) -> Prepared:
     """``flops``: (forward total, forward attention core) from a meta trace."""
-    from tfcli.model import example_inputs
+    from tfcli.model.transformer import example_inputs
 
     inputs = {k: v for k, v in example_inputs(cfg, batch, src_len, tgt_len, device).items()
               if v is not None}

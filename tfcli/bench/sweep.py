@@ -192,7 +192,7 @@ class Sweep:
     # --- cells -------------------------------------------------------------------------------
 
     def _model(self, kernel: str, device: str, dtype: str):
-        from tfcli.model import build_model
+        from tfcli.model.transformer import build_model
 
         key = (kernel, device, dtype)
         if key not in self._models:
@@ -207,8 +207,8 @@ class Sweep:
     def _model_flops(self, batch: int, src_len: int, tgt_len: int) -> tuple[int, int]:
         key = (batch, src_len, tgt_len)
         if key not in self._flops:
-            from tfcli.model import build_model, example_inputs
-            from tfcli.shapes import trace
+            from tfcli.model.transformer import build_model, example_inputs
+            from tfcli.inspection.shapes import trace
 
             model = build_model(self.cfg, "meta")
             inputs = {k: v for k, v in example_inputs(self.cfg, batch, src_len, tgt_len,

@@ -76,7 +76,7 @@ def peak_memory(fn: Callable[[], object], device: str) -> tuple[int, str]:
         synchronize(device)
         return torch.cuda.max_memory_allocated() - base, "cuda max_memory_allocated"
     if device == "cpu":
-        from tfcli.memory import profile_peak_bytes
+        from tfcli.inspection.memory import profile_peak_bytes
 
         return profile_peak_bytes(fn), "profiler allocation events"
     return 0, "not measured on this device"

@@ -20,7 +20,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 
 
 def _preset_names() -> list[str]:
-    from tfcli.presets import PRESETS
+    from tfcli.model.presets import PRESETS
 
     return list(PRESETS)
 
@@ -38,7 +38,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document t
 
 
 def resolve_config(preset: str | None, config: Path | None, overrides: list[str] | None):
-    from tfcli.config import load_config
+    from tfcli.model.config import load_config
 
     return load_config(preset, config, overrides or [])
 

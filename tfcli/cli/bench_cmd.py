@@ -199,7 +199,7 @@ def _profiler(directory: Path):
     def after_cell(record, prepared) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-        from tfcli.memory import quiet_native_stderr
+        from tfcli.inspection.memory import quiet_native_stderr
 
         directory.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]

@@ -10,7 +10,7 @@ from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json,
 def config(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
            json_out: JsonOpt = False) -> None:
     """Print the resolved configuration as TOML (loadable again with --config) or JSON."""
-    from tfcli.config import to_toml
+    from tfcli.model.config import to_toml
 
     cfg = resolve_config(preset, config, set_)
     if json_out:

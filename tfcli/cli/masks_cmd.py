@@ -65,9 +65,9 @@ def masks(
     """Padding, causal, combined and cross-attention masks for an example batch."""
     import torch
 
-    from tfcli import masks as mask_fns
-    from tfcli.maskcheck import check_model, mask_set
-    from tfcli.model import build_model
+    from tfcli.model import masks as mask_fns
+    from tfcli.inspection.maskcheck import check_model, mask_set
+    from tfcli.model.transformer import build_model
     from tfcli.render.masks import render_check, render_masks
 
     cfg = resolve_config(preset, config, set_)
@@ -119,7 +119,7 @@ def masks(
 
     report = None
     if check:
-        from tfcli.model import example_inputs
+        from tfcli.model.transformer import example_inputs
 
         torch.manual_seed(0)
         model = build_model(cfg.replace(attention="naive"))
@@ -149,7 +149,7 @@ def masks(
 def _to_json(cfg, items, valid, convention, report) -> dict:
     from dataclasses import asdict
 
-    from tfcli.masks import to_convention
+    from tfcli.model.masks import to_convention
 
     def values(allowed):
         converted = to_convention(allowed, convention).tolist()

@@ -56,10 +56,10 @@ def params(
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
     from tfcli.errors import TfcliError
-    from tfcli.memory import estimate_activations, training_memory
-    from tfcli.model import build_model
-    from tfcli.params import freeze as apply_freeze
-    from tfcli.params import param_report
+    from tfcli.inspection.memory import estimate_activations, training_memory
+    from tfcli.model.transformer import build_model
+    from tfcli.inspection.params import freeze as apply_freeze
+    from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
     cfg = resolve_config(preset, config, set_)

@@ -9,8 +9,8 @@ def presets(json_out: JsonOpt = False) -> None:
     """List the named presets with a description, source and parameter count."""
     from rich.table import Table
 
-    from tfcli.counting import count_params
-    from tfcli.presets import DEFAULT_PRESET, PRESETS, get_preset
+    from tfcli.model.counting import count_params
+    from tfcli.model.presets import DEFAULT_PRESET, PRESETS, get_preset
 
     rows = []
     for name, preset in PRESETS.items():

@@ -53,11 +53,11 @@ def shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
-    from tfcli import masks
-    from tfcli.flops import CONVENTION, count_with_flop_counter, flop_counting
-    from tfcli.model import build_model, example_inputs
+    from tfcli.model import masks
+    from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
+    from tfcli.model.transformer import build_model, example_inputs
     from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
+    from tfcli.inspection.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
 
     cfg = resolve_config(preset, config, set_)
     _check_device(device.value)

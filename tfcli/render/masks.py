@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from tfcli.maskcheck import CheckReport, NamedMask
+from tfcli.inspection.maskcheck import CheckReport, NamedMask
 
 CELLS = {  # convention -> (text where attending is allowed, text where it is blocked)
     "bool-allowed": ("T", "F"),

@@ -1,4 +1,4 @@
-"""Rendering of :class:`tfcli.params.ParamReport`: the layer table (depth, collapse), totals,
+"""Rendering of :class:`tfcli.inspection.params.ParamReport`: the layer table (depth, collapse), totals,
 aliases, buffers, summaries and the memory breakdown."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from tfcli.memory import MemoryLine
-from tfcli.params import LayerRow, ParamReport
+from tfcli.inspection.memory import MemoryLine
+from tfcli.inspection.params import LayerRow, ParamReport
 from tfcli.render import count, human_bytes, percent
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from rich.tree import Tree
 
-from tfcli.shapes import ShapeEvent, symbolic
+from tfcli.inspection.shapes import ShapeEvent, symbolic
 
 HIDDEN = {"Dropout"}  # calls that never change a shape: kept in --json, not in the tree
 ARG_NAMES = {"Attend": ["Q", "K", "V", "mask"], "MultiHeadAttention": ["x", "memory", "mask"],

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tfcli import masks
-from tfcli.attention import MultiHeadAttention
-from tfcli.config import Config
+from tfcli.model import masks
+from tfcli.model.attention import MultiHeadAttention
+from tfcli.model.config import Config
 from tfcli.errors import InputError
 
 
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
     """Encoder-decoder, decoder-only (n_encoder_layers=0) or encoder-only (n_decoder_layers=0).
 
     ``src_valid`` / ``tgt_valid`` ([B, S] / [B, T] bool, True = real token) mark padding; see
-    :func:`tfcli.masks.valid_from_lengths` and :func:`tfcli.masks.valid_from_ids`.
+    :func:`tfcli.model.masks.valid_from_lengths` and :func:`tfcli.model.masks.valid_from_ids`.
     Returns logits [B, T, V_tgt], or hidden states [B, L, d_model] when there is no output
     projection (tgt_vocab_size 0, or encoder-only).
     """

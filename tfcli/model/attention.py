@@ -12,7 +12,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tfcli.masks import guard_empty_rows
+from tfcli.model.masks import guard_empty_rows
 
 
 class Attend(nn.Module):

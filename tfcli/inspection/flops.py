@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tfcli.attention import Attend
+from tfcli.model.attention import Attend
 
 CONVENTION = ("FLOPs = 2 × multiply-accumulates of matrix products (linear, QKᵀ, AV); "
               "backward = 2 × forward")

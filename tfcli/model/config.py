@@ -1,6 +1,6 @@
 """The model configuration: one frozen, typed dataclass, validated on construction.
 
-A configuration is resolved in a fixed order: a named preset (:mod:`tfcli.presets`), then a
+A configuration is resolved in a fixed order: a named preset (:mod:`tfcli.model.presets`), then a
 config file (TOML or JSON, flat ``key = value``), then ``--set key=value`` overrides. Nothing here
 imports torch, so ``tfcli config`` and ``tfcli presets`` answer instantly.
 
@@ -279,7 +279,7 @@ def load_config(
     preset: str | None = None, config_file: Path | None = None, overrides: list[str] = ()
 ) -> Config:
     """Preset (default ``vaswani-base``), then the file, then ``--set`` overrides."""
-    from tfcli.presets import DEFAULT_PRESET, preset_values
+    from tfcli.model.presets import DEFAULT_PRESET, preset_values
 
     from_file = read_config_file(config_file) if config_file is not None else {}
     return resolve(

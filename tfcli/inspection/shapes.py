@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from tfcli.attention import Attend
+from tfcli.model.attention import Attend
 from tfcli.errors import TfcliError
-from tfcli.flops import module_flops
+from tfcli.inspection.flops import module_flops
 
 
 def shapes_of(value) -> list[list[int] | None]:

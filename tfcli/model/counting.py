@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from tfcli.config import Config
+from tfcli.model.config import Config
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The masks a configured model uses for an example batch, and a check that it obeys them.
 
-The mask set is built with the same functions the model calls (:mod:`tfcli.masks`); the check
+The mask set is built with the same functions the model calls (:mod:`tfcli.model.masks`); the check
 runs the model's own attention (naive path, which returns its weights) and compares what it did
 with what the masks allow. Convention: bool, True = may attend.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tfcli import masks
-from tfcli.attention import Attend
-from tfcli.config import Config
+from tfcli.model import masks
+from tfcli.model.attention import Attend
+from tfcli.model.config import Config
 
 
 @dataclass

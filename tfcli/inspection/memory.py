@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tfcli.attention import Attend
+from tfcli.model.attention import Attend
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16, "int8": torch.int8}
@@ -251,7 +251,7 @@ def training_loss(cfg) -> tuple[Callable[[Tensor], Tensor], str]:
 def estimate_activations(cfg, batch_size: int, src_len: int, tgt_len: int, dtype: str = "fp32",
                          mixed: str | None = None) -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``cfg``, and a line saying how it was found."""
-    from tfcli.model import build_model, example_inputs
+    from tfcli.model.transformer import build_model, example_inputs
 
     loss, loss_name = training_loss(cfg)
     estimate = simulate_training_step(

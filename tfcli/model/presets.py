@@ -1,4 +1,4 @@
-"""Named presets: override dicts on top of :class:`~tfcli.config.Config` (the paper's base model).
+"""Named presets: override dicts on top of :class:`~tfcli.model.config.Config` (the paper's base model).
 
 Each preset says where its numbers come from. Published parameter counts that the test suite
 checks exactly are given in the descriptions.
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfcli.config import Config
+from tfcli.model.config import Config
 from tfcli.errors import ConfigError, did_you_mean
 
 

@@ -86,8 +86,8 @@ def freeze(model: nn.Module, patterns: list[str]) -> None:
 
 def _kind(module_chain: list[nn.Module], top: str) -> str:
     """Kind of a parameter, from the innermost module that says what it is."""
-    from tfcli.attention import MultiHeadAttention
-    from tfcli.model import Embeddings, FeedForward, ScalarLayerNorm
+    from tfcli.model.attention import MultiHeadAttention
+    from tfcli.model.transformer import Embeddings, FeedForward, ScalarLayerNorm
 
     for module in reversed(module_chain):
         if isinstance(module, (MultiHeadAttention, nn.MultiheadAttention)):

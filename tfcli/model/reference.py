@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfcli.attention import MultiHeadAttention
+from tfcli.model.attention import MultiHeadAttention
 from tfcli.errors import ConfigError
-from tfcli.model import Transformer
+from tfcli.model.transformer import Transformer
 
 
 def _copy_attention(dst: MultiHeadAttention, src: nn.MultiheadAttention) -> None:
