@@ -35,6 +35,19 @@ VARIANTS = {
     "decoder-only": dict(n_encoder_layers=0, src_vocab_size=0, norm_placement="pre",
                          final_norm=True, tie_embeddings="tgt_output"),
     "encoder-only": dict(n_decoder_layers=0, tgt_vocab_size=0, embed_norm=True),
+    # issue 12: the modern decoder fields, also inside encoder-decoders where they make sense
+    "rmsnorm+rope+gqa+swiglu": dict(norm="rmsnorm", positional="rope", n_kv_heads=2,
+                                    ffn="swiglu", activation="silu", ffn_bias=False,
+                                    norm_placement="pre", final_norm=True),
+    "multi-query+head_dim": dict(n_kv_heads=1, head_dim=6, positional="rope"),
+    "geglu+gelu-tanh+norm-bias-off": dict(ffn="geglu", activation="gelu-tanh", norm_bias=False),
+    "scalar-rmsnorm+bias": dict(norm="rmsnorm", norm_affine="scalar", norm_bias=True,
+                                final_norm=True),
+    "window": dict(attention_window=2),
+    "decoder-only-window+gqa": dict(n_encoder_layers=0, src_vocab_size=0, norm_placement="pre",
+                                    final_norm=True, tie_embeddings="tgt_output",
+                                    attention_window=3, n_kv_heads=2, positional="rope"),
+    "encoder-only-window": dict(n_decoder_layers=0, tgt_vocab_size=0, attention_window=2),
 }
 KERNELS = ["naive", "sdpa"]
 
@@ -157,38 +170,55 @@ def test_closed_form_count_equals_built_model(name):
     assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     d_k=st.integers(1, 8), n_heads=st.integers(1, 4), d_ff=st.integers(1, 40),
     n_enc=st.integers(0, 3), n_dec=st.integers(0, 3), src_vocab=st.integers(0, 50),
     tgt_vocab=st.integers(0, 50), d_embed=st.none() | st.integers(1, 20),
     placement=st.sampled_from(["post", "pre"]), affine=st.sampled_from(["feature", "scalar"]),
-    final_norm=st.booleans(), positional=st.sampled_from(["sinusoidal", "learned", "none"]),
+    final_norm=st.booleans(),
+    positional=st.sampled_from(["sinusoidal", "learned", "rope", "none"]),
     embed_norm=st.booleans(), attention_bias=st.booleans(), output_bias=st.booleans(),
     tie=st.sampled_from(["none", "src_tgt", "tgt_output", "all"]),
+    norm=st.sampled_from(["layernorm", "rmsnorm"]), norm_bias=st.none() | st.booleans(),
+    kv_div=st.integers(1, 4), head_dim=st.none() | st.integers(1, 9),
+    ffn_act=st.sampled_from([("mlp", "relu"), ("mlp", "gelu-tanh"), ("mlp", "silu"),
+                             ("swiglu", "silu"), ("geglu", "gelu"), ("geglu", "gelu-tanh")]),
+    ffn_bias=st.booleans(), window=st.none() | st.integers(1, 5),
 )
 def test_closed_form_count_on_random_configurations(d_k, n_heads, d_ff, n_enc, n_dec, src_vocab,
                                                      tgt_vocab, d_embed, placement, affine,
                                                      final_norm, positional, embed_norm,
-                                                     attention_bias, output_bias, tie):
+                                                     attention_bias, output_bias, tie, norm,
+                                                     norm_bias, kv_div, head_dim, ffn_act,
+                                                     ffn_bias, window):
     try:
         cfg = Config(d_model=d_k * n_heads, n_heads=n_heads, d_ff=d_ff, n_encoder_layers=n_enc,
                      n_decoder_layers=n_dec, src_vocab_size=src_vocab if n_enc else 0,
                      tgt_vocab_size=tgt_vocab if n_dec else 0, max_seq_len=16, d_embed=d_embed,
                      norm_placement=placement, norm_affine=affine, final_norm=final_norm,
                      positional=positional, embed_norm=embed_norm, attention_bias=attention_bias,
-                     output_bias=output_bias, tie_embeddings=tie)
+                     output_bias=output_bias, tie_embeddings=tie, norm=norm, norm_bias=norm_bias,
+                     n_kv_heads=n_heads // kv_div if n_heads % kv_div == 0 else None,
+                     head_dim=head_dim, ffn=ffn_act[0], activation=ffn_act[1],
+                     ffn_bias=ffn_bias, attention_window=window)
     except ConfigError:
         return  # an impossible combination, rejected as it should be
     model = build_model(cfg, "meta")
     assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+    by_kind = {}
+    for name, p in model.named_parameters():
+        if "norm" in name.split(".")[-2]:
+            by_kind["norm"] = by_kind.get("norm", 0) + p.numel()
+    assert count_params(cfg).by_kind.get("norm", 0) == by_kind.get("norm", 0)
 
 
 # --- masks take effect ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", ["post-norm", "decoder-only"])
+@pytest.mark.parametrize("variant", ["post-norm", "decoder-only", "rmsnorm+rope+gqa+swiglu",
+                                     "decoder-only-window+gqa"])
 def test_changing_a_future_target_token_does_not_change_earlier_outputs(variant, kernel):
     cfg = TINY.replace(attention=kernel, **VARIANTS[variant])
     model = build_model(cfg).eval()
@@ -202,7 +232,8 @@ def test_changing_a_future_target_token_does_not_change_earlier_outputs(variant,
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", ["post-norm", "encoder-only", "no-vocabularies"])
+@pytest.mark.parametrize("variant", ["post-norm", "encoder-only", "no-vocabularies",
+                                     "encoder-only-window", "multi-query+head_dim"])
 def test_changing_padded_source_tokens_does_not_change_outputs(variant, kernel):
     cfg = TINY.replace(attention=kernel, **VARIANTS[variant])
     model = build_model(cfg).eval()

@@ -1,7 +1,9 @@
 """Multi-head attention (Vaswani et al. 2017, §3.2), one implementation for self-, masked self-
-and cross-attention.
+and cross-attention, with grouped-query attention and rotary positions as options.
 
-Legend: B batch, T query length, S key length, h heads, d_k = d_model / h.
+Legend: B batch, T query length, S key length, h heads, h_kv K/V heads (h for multi-head,
+fewer for grouped-query, 1 for multi-query), g = h / h_kv query heads per K/V head, d_k head
+dimension (d_model / h unless head_dim is set).
 Masks are boolean, True = may attend, broadcastable to the scores [B, h, T, S].
 """
 
@@ -9,10 +11,16 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tfcli.model.masks import guard_empty_rows
+
+# K/V heads reach the fused kernel through SDPA's own enable_gqa, not repeat_interleave: on CPU
+# (torch 2.13, fp32, 2 threads, /tmp/gqa/bench_gqa.py in the issue-12 report) it was as fast or
+# faster in every case measured, and it never materialises the g-fold copies of K and V.
+SDPA_ENABLE_GQA = True
 
 
 class Attend(nn.Module):
@@ -21,8 +29,10 @@ class Attend(nn.Module):
     - ``naive``: explicit matmul, scale, mask, softmax, dropout, matmul; returns the weights;
     - ``sdpa``: ``F.scaled_dot_product_attention`` (fused kernels); returns no weights.
 
-    A query row with no allowed key yields zeros in both paths (never NaN). The module has no
-    parameters: it exists so hooks can see Q, K, V, the mask, the output and the weights.
+    q is [B, h, T, d_k]; k and v are [B, h_kv, S, d_k], where query head i uses K/V head
+    i // g (as Transformers' ``repeat_kv`` and SDPA's ``enable_gqa``). A query row with no
+    allowed key yields zeros in both paths (never NaN). The module has no parameters: it exists
+    so hooks can see Q, K, V, the mask, the output and the weights.
     """
 
     def __init__(self, kernel: str, dropout: float) -> None:
@@ -36,15 +46,29 @@ class Attend(nn.Module):
         if mask is not None:
             mask, empty = guard_empty_rows(mask)
         p = self.dropout if self.training else 0.0
+        heads, kv_heads = q.size(1), k.size(1)
         if self.kernel == "naive":
-            scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # [B, h, T, S]
+            q = q * (1.0 / math.sqrt(q.size(-1)))
+            if kv_heads == heads:
+                scores = q @ k.transpose(-2, -1)  # [B, h, T, S]
+            else:  # each K/V head meets its g query heads by broadcasting; no copies of K, V
+                grouped = q.unflatten(1, (kv_heads, heads // kv_heads))  # [B, h_kv, g, T, d_k]
+                scores = (grouped @ k[:, :, None].transpose(-2, -1)).flatten(1, 2)  # [B, h, T, S]
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             if empty is not None:
                 weights = weights.masked_fill(empty, 0.0)
-            return F.dropout(weights, p, self.training) @ v, weights  # [B, h, T, d_k]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            dropped = F.dropout(weights, p, self.training)
+            if kv_heads == heads:
+                return dropped @ v, weights  # [B, h, T, d_k]
+            out = dropped.unflatten(1, (kv_heads, heads // kv_heads)) @ v[:, :, None]
+            return out.flatten(1, 2), weights  # [B, h, T, d_k]
+        if kv_heads != heads and not SDPA_ENABLE_GQA:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)  # [B, h, S, d_k]
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        gqa = {"enable_gqa": True} if kv_heads != heads and SDPA_ENABLE_GQA else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **gqa)
         if empty is not None:
             out = out.masked_fill(empty, 0.0)
         return out, None
@@ -53,28 +77,72 @@ class Attend(nn.Module):
         return f"kernel={self.kernel}, dropout={self.dropout}"
 
 
-class MultiHeadAttention(nn.Module):
-    """MultiHead(Q, K, V) = Concat(head_1..head_h) W_O, head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i)."""
+class Rotary(nn.Module):
+    """Rotary positions (Su et al. 2021, RoFormer): feature pair (i, i + d_k/2) of the query or
+    key at position m turns by the angle m · θ^(-2i/d_k), so Q·Kᵀ depends on relative position.
+    Pairs are halves, as Transformers' Llama and GPT-NeoX; Meta's LLaMA code pairs (2i, 2i+1),
+    the same up to a fixed permutation of the rows of W_Q and W_K. No parameters."""
 
-    def __init__(self, d_model: int, n_heads: int, bias: bool, kernel: str, dropout: float) -> None:
+    def __init__(self, head_dim: int, theta: float, max_len: int) -> None:
+        super().__init__()
+        self.theta = theta
+        # Built on the CPU and moved, as SinusoidalPositions (arange on meta costs a second);
+        # float32 whatever the model's dtype: bf16 cannot count positions past 256.
+        cpu = torch.device("cpu")
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+        device = torch.get_default_device()
+        self.register_buffer("inv_freq", (1.0 / theta ** exponent).to(device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_len, dtype=torch.float32,
+                                                       device=cpu).to(device), persistent=False)
+
+    def _rotate(self, x: Tensor) -> Tensor:
+        length = x.size(-2)
+        angles = self.positions[:length, None] * self.inv_freq  # [L, d_k/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [L, d_k]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q [B, h, T, d_k], k [B, h_kv, S, d_k] -> the same shapes, rotated by position."""
+        return self._rotate(q), self._rotate(k)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta:g}"
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W_O, head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i).
+
+    With ``n_kv_heads`` < ``n_heads`` (grouped-query attention), W_K and W_V project to h_kv heads
+    only and each serves g = h / h_kv query heads."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool, kernel: str, dropout: float,
+                 n_kv_heads: int | None = None, head_dim: int | None = None,
+                 rotary: Rotary | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.rotary = rotary
         self.attend = Attend(kernel, dropout)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
 
-    def _split_heads(self, x: Tensor) -> Tensor:
-        batch, length, d_model = x.shape
-        return x.view(batch, length, self.n_heads, d_model // self.n_heads).transpose(1, 2)
+    def _split_heads(self, x: Tensor, heads: int | None = None) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads or self.n_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, memory: Tensor, mask: Tensor | None = None) -> Tensor:
         """x: queries [B, T, d_model]; memory: keys and values [B, S, d_model] (x itself for
         self-attention, the encoder output for cross-attention)."""
         q = self._split_heads(self.q_proj(x))  # [B, h, T, d_k]
-        k = self._split_heads(self.k_proj(memory))  # [B, h, S, d_k]
-        v = self._split_heads(self.v_proj(memory))  # [B, h, S, d_k]
+        k = self._split_heads(self.k_proj(memory), self.n_kv_heads)  # [B, h_kv, S, d_k]
+        v = self._split_heads(self.v_proj(memory), self.n_kv_heads)  # [B, h_kv, S, d_k]
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)  # the same shapes, each position turned by its angle
         heads, _ = self.attend(q, k, v, mask)  # [B, h, T, d_k]
-        merged = heads.transpose(1, 2).flatten(2)  # [B, T, d_model]
-        return self.out_proj(merged)
+        merged = heads.transpose(1, 2).flatten(2)  # [B, T, h·d_k]
+        return self.out_proj(merged)  # [B, T, d_model]

@@ -21,46 +21,98 @@ from typing import Any, Literal, Mapping
 
 from tfcli.errors import ConfigError, did_you_mean
 
-Activation = Literal["relu", "gelu"]
+Activation = Literal["relu", "gelu", "gelu-tanh", "silu"]
+NormKind = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["post", "pre"]
 NormAffine = Literal["feature", "scalar"]
-Positional = Literal["sinusoidal", "learned", "none"]
+Positional = Literal["sinusoidal", "learned", "rope", "none"]
+FFNKind = Literal["mlp", "swiglu", "geglu"]
 Tying = Literal["none", "src_tgt", "tgt_output", "all"]
 AttentionKernel = Literal["naive", "sdpa"]
+
+
+def _field(default: Any, meaning: str, allowed: str = "") -> Any:
+    """A field whose meaning (and, beyond its type, allowed range) is part of the definition:
+    ``tfcli config --fields`` and the README's table are generated from it."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning, "allowed": allowed})
 
 
 @dataclass(frozen=True)
 class Config:
     # --- sizes (paper Table 3, base model) ---
-    d_model: int = 512
-    n_heads: int = 8
-    d_ff: int = 2048
-    n_encoder_layers: int = 6  # 0: decoder-only (GPT-style, no cross-attention)
-    n_decoder_layers: int = 6  # 0: encoder-only (BERT-style)
+    d_model: int = _field(512, "model width: every residual activation is [B, L, d_model]",
+                          "positive")
+    n_heads: int = _field(8, "attention heads h (query heads)", "positive")
+    d_ff: int = _field(2048, "FFN hidden width (gated FFNs: width of the gate and of the up "
+                       "projection)", "positive")
+    # None: multi-head attention, one K/V head per query head, as the paper.
+    n_kv_heads: int | None = _field(
+        None, "K/V heads h_kv for grouped-query attention (1: multi-query); none = n_heads",
+        "positive divisor of n_heads, or none")
+    # None: d_model / n_heads, the paper's d_k = d_v; set it where a model decouples the two.
+    head_dim: int | None = _field(None, "per-head width d_k; none = d_model / n_heads",
+                                  "positive, or none")
+    n_encoder_layers: int = _field(6, "encoder layers; 0: decoder-only (GPT-style, no "
+                                   "cross-attention)", ">= 0, not both stacks 0")
+    n_decoder_layers: int = _field(6, "decoder layers; 0: encoder-only (BERT-style)",
+                                   ">= 0, not both stacks 0")
     # 0 means the model takes already-embedded inputs [B, S, d_model], like torch.nn.Transformer.
     # The paper shares one 37000-token byte-pair vocabulary between source and target (§5.1).
-    src_vocab_size: int = 37000
-    tgt_vocab_size: int = 37000
+    src_vocab_size: int = _field(37000, "source vocabulary; 0: inputs are already embedded "
+                                 "[B, S, d_model]", ">= 0; 0 without an encoder")
+    tgt_vocab_size: int = _field(37000, "target vocabulary (and output logits); 0: inputs are "
+                                 "already embedded, no output projection",
+                                 ">= 0; 0 without a decoder")
     # The paper fixes no maximum for sinusoidal positions; 4096 covers the usual bench sweeps.
-    max_seq_len: int = 4096
-    dropout: float = 0.1  # P_drop, on sublayer outputs, embeddings+positions and attention weights
-    activation: Activation = "relu"
+    max_seq_len: int = _field(4096, "longest sequence: size of the learned or sinusoidal "
+                              "position table, or of the rotary positions", "positive")
+    dropout: float = _field(0.1, "P_drop on sublayer outputs, embeddings + positions and "
+                            "attention weights", "[0, 1)")
+    activation: Activation = _field(
+        "relu", "FFN activation; gelu-tanh is GPT-2's tanh approximation; swiglu needs silu, "
+        "geglu gelu or gelu-tanh")
+    ffn: FFNKind = _field("mlp", "mlp: act(x W1) W2 (eq. 2); swiglu/geglu: (act(x W_gate) * "
+                          "x W1) W2, three matrices")
+    ffn_bias: bool = _field(True, "biases in the FFN's matrices (eq. 2 has b1, b2)")
     # --- normalisation ---
-    norm_placement: NormPlacement = "post"  # the paper: LayerNorm(x + Sublayer(x))
+    norm: NormKind = _field("layernorm", "LayerNorm (centre and scale) or RMSNorm (scale only)")
+    norm_placement: NormPlacement = _field(
+        "post", "post: Norm(x + Sublayer(x)) (the paper); pre: x + Sublayer(Norm(x))")
     # The paper gives no epsilon; 1e-6 is tensor2tensor's (the authors' code). torch uses 1e-5.
-    norm_eps: float = 1e-6
-    norm_affine: NormAffine = "feature"  # "scalar": one gain and one bias per norm (tutorials)
-    final_norm: bool = False  # a norm after each stack; pre-norm models need it, the paper has none
+    norm_eps: float = _field(1e-6, "epsilon inside every norm", "> 0")
+    norm_affine: NormAffine = _field(
+        "feature", "feature: a gain (and bias) per feature; scalar: one of each per norm "
+        "(tutorials)")
+    # None: each norm's usual form; LLaMA's and T5's RMSNorm have no bias, LayerNorm has one.
+    norm_bias: bool | None = _field(None, "a learned bias in every norm; none = true for "
+                                    "layernorm, false for rmsnorm", "true, false or none")
+    final_norm: bool = _field(False, "a norm after each stack; pre-norm models need it, the "
+                              "paper has none")
     # --- embeddings ---
-    positional: Positional = "sinusoidal"
-    embed_scale: bool = True  # multiply token embeddings by sqrt(d_model) (§3.4)
-    d_embed: int | None = None  # None: embeddings are d_model wide, no projection
-    embed_norm: bool = False  # LayerNorm after adding positions (BERT, some tutorials)
+    positional: Positional = _field(
+        "sinusoidal", "sinusoidal (a buffer, §3.5), learned table, rope (rotation of q and k in "
+        "self-attention, no parameters) or none")
+    # 10000 is RoFormer's and LLaMA 1/2's base; LLaMA 3 uses 500000.
+    rope_theta: float = _field(10000.0, "rope base: pair i of each head turns by "
+                               "pos / rope_theta^(2i / d_k)", "> 0")
+    embed_scale: bool = _field(True, "multiply token embeddings by sqrt(d_model) (§3.4)")
+    d_embed: int | None = _field(None, "token-embedding width, projected to d_model; none = "
+                                 "d_model, no projection", "positive, or none")
+    embed_norm: bool = _field(False, "a norm after adding positions (BERT, some tutorials)")
+    # --- attention ---
+    # None: every position may attend to all it is otherwise allowed to (the paper).
+    attention_window: int | None = _field(
+        None, "sliding-window self-attention of W positions: causal i-W < j <= i, "
+        "bidirectional |i-j| < W; none = off", "positive, or none")
     # --- biases, tying, kernels ---
-    attention_bias: bool = False  # eq. (4)-(5) project Q, K, V and heads without biases
-    output_bias: bool = False
-    tie_embeddings: Tying = "all"  # §3.4: source, target and pre-softmax weights shared
-    attention: AttentionKernel = "sdpa"
+    attention_bias: bool = _field(False, "biases in W_Q, W_K, W_V, W_O (eq. 4-5 have none)")
+    output_bias: bool = _field(False, "a bias in the pre-softmax output projection")
+    tie_embeddings: Tying = _field(
+        "all", "which of source embedding, target embedding and output projection share one "
+        "matrix (§3.4: all three)")
+    attention: AttentionKernel = _field(
+        "sdpa", "naive: explicit softmax(QK^T/sqrt(d_k))V (returns weights); sdpa: "
+        "F.scaled_dot_product_attention")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -68,8 +120,21 @@ class Config:
     # --- derived sizes ---
     @property
     def d_k(self) -> int:
-        """Per-head dimension d_k = d_v = d_model / h."""
-        return self.d_model // self.n_heads
+        """Per-head dimension d_k = d_v: head_dim, or d_model / h."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """h_kv: heads of K and V (h for multi-head attention, fewer for grouped-query)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def has_norm_bias(self) -> bool:
+        return self.norm_bias if self.norm_bias is not None else self.norm == "layernorm"
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.ffn != "mlp"
 
     @property
     def embed_dim(self) -> int:
@@ -110,6 +175,43 @@ def _allowed_values(name: str) -> tuple[str, ...] | None:
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
 
 
+def _type_name(name: str) -> str:
+    hint = _HINTS[name]
+    if typing.get_origin(hint) is Literal:
+        return "choice"
+    return {int: "int", float: "float", bool: "bool", int | None: "int or none",
+            bool | None: "bool or none"}[hint]
+
+
+def _text(value: Any) -> str:
+    """A value as it is written after ``--set key=``."""
+    if value is None:
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def field_table() -> list[dict[str, str]]:
+    """Every configuration key with its type, allowed values, default and meaning, from the
+    dataclass itself (``tfcli config --fields``; the README's table is this, as Markdown)."""
+    rows = []
+    for name, f in FIELDS.items():
+        choices = _allowed_values(name)
+        allowed = (", ".join(choices) if choices is not None
+                   else f.metadata["allowed"] or ("true, false" if _HINTS[name] is bool else ""))
+        rows.append({"field": name, "type": _type_name(name), "allowed": allowed,
+                     "default": _text(f.default), "meaning": f.metadata["meaning"]})
+    return rows
+
+
+def fields_markdown() -> str:
+    lines = ["| field | type | allowed | default | meaning |", "|---|---|---|---|---|"]
+    for row in field_table():
+        cells = [f"`{row['field']}`", row["type"], row["allowed"], f"`{row['default']}`",
+                 row["meaning"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{name}={value!r}: {allowed}")
 
@@ -128,11 +230,28 @@ def validate(cfg: Config) -> None:
     for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size", "tgt_vocab_size"):
         if getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "must be 0 or a positive integer")
-    if cfg.d_model % cfg.n_heads:
+    for name in ("n_kv_heads", "head_dim", "attention_window"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            _fail(name, getattr(cfg, name), "must be a positive integer, or none")
+    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
         raise ConfigError(
             f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}: d_model must be a "
-            f"multiple of n_heads (d_k = d_model / n_heads)"
+            f"multiple of n_heads (d_k = d_model / n_heads), or set head_dim"
         )
+    if cfg.n_heads % cfg.kv_heads:
+        _fail("n_kv_heads", cfg.n_kv_heads,
+              f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads (each K/V head serves "
+              f"n_heads / n_kv_heads query heads)")
+    if cfg.positional == "rope" and cfg.d_k % 2:
+        _fail("positional", "rope", f"rotates pairs of features, but the head dimension "
+              f"d_k={cfg.d_k} is odd; use an even head_dim or d_model / n_heads")
+    if not (cfg.rope_theta > 0 and math.isfinite(cfg.rope_theta)):
+        _fail("rope_theta", cfg.rope_theta, "must be a positive number")
+    gate_acts = {"swiglu": ("silu",), "geglu": ("gelu", "gelu-tanh")}.get(cfg.ffn)
+    if gate_acts is not None and cfg.activation not in gate_acts:
+        _fail("activation", cfg.activation,
+              f"ffn={cfg.ffn!r} gates with {' or '.join(gate_acts)}; set activation="
+              f"{gate_acts[0]}, or ffn=mlp")
     if not cfg.has_encoder and not cfg.has_decoder:
         raise ConfigError(
             "n_encoder_layers=0 and n_decoder_layers=0: at least one stack must have layers"
@@ -183,9 +302,11 @@ def _check_type(name: str, value: Any) -> None:
     if allowed is not None:
         if value not in allowed:
             _fail(name, value, f"must be one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}")
-    elif hint is bool:
+    elif hint is bool or hint == (bool | None):
+        if value is None and hint is not bool:
+            return
         if not isinstance(value, bool):
-            _fail(name, value, "must be true or false")
+            _fail(name, value, "must be true or false" + ("" if hint is bool else " or none"))
     elif hint is int or hint == (int | None):
         if value is None and hint != int:
             return
@@ -229,15 +350,15 @@ def parse_value(name: str, text: str) -> Any:
     raw = text.strip()
     if _allowed_values(name) is not None:
         return raw
-    if hint is bool:
+    if hint != int and hint is not bool and raw.lower() in ("none", "null", ""):
+        return None
+    if hint is bool or hint == (bool | None):
         lowered = raw.lower()
         if lowered in ("true", "yes", "on", "1"):
             return True
         if lowered in ("false", "no", "off", "0"):
             return False
-        _fail(name, text, "must be true or false")
-    if hint != int and raw.lower() in ("none", "null", ""):
-        return None
+        _fail(name, text, "must be true or false" + ("" if hint is bool else " or none"))
     try:
         return int(raw) if hint in (int, int | None) else float(raw)
     except ValueError:

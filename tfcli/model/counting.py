@@ -27,9 +27,15 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 def count_params(cfg: Config) -> ParamCount:
     d = cfg.d_model
-    norm = 2 * d if cfg.norm_affine == "feature" else 2
-    attention = 4 * _linear(d, d, cfg.attention_bias)  # W_Q, W_K, W_V, W_O
-    ffn = _linear(d, cfg.d_ff, True) + _linear(cfg.d_ff, d, True)  # eq. (2) has b1, b2
+    per_norm = d if cfg.norm_affine == "feature" else 1
+    norm = per_norm * (2 if cfg.has_norm_bias else 1)  # gain, and bias unless RMSNorm-style
+    q_width, kv_width = cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k
+    attention = (_linear(d, q_width, cfg.attention_bias)  # W_Q
+                 + 2 * _linear(d, kv_width, cfg.attention_bias)  # W_K, W_V: h_kv heads only
+                 + _linear(q_width, d, cfg.attention_bias))  # W_O
+    n_in = 2 if cfg.gated_ffn else 1  # W_1, and W_gate when gated
+    ffn = n_in * _linear(d, cfg.d_ff, cfg.ffn_bias) + _linear(cfg.d_ff, d, cfg.ffn_bias)  # + W_2
+    # Rotary positions have no parameters; sinusoidal ones are a buffer.
 
     component: Counter[str] = Counter()
     kind: Counter[str] = Counter()

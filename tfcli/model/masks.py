@@ -5,6 +5,7 @@ Shapes (legend: B batch, S source length, T target length, h heads):
   validity vectors  [B, L]        True = a real token, False = padding
   key masks         [B, 1, 1, S]  broadcast over heads and queries
   causal masks      [T, T]        lower triangle including the diagonal
+  window masks      [L, L]        a band of W positions (causal or both sides)
   attention masks   [B, 1, Q, K]  broadcast over heads onto scores [B, h, Q, K]
 
 The model builds its masks with these functions, and ``tfcli masks`` prints the same ones.
@@ -50,6 +51,17 @@ def causal(size: int, device: torch.device | str | None = None) -> Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).tril()
 
 
+def sliding_window(size: int, window: int, is_causal: bool,
+                   device: torch.device | str | None = None) -> Tensor:
+    """[L, L] band of ``window`` positions. Causal: query i may attend to keys j with
+    i - W < j <= i (itself and the W - 1 before it); bidirectional: |i - j| < W."""
+    if window <= 0:
+        raise InputError(f"attention_window={window}: must be a positive integer")
+    # tril/triu, not arange: on the meta device arange imports torch._dynamo (over a second).
+    band = torch.ones(size, size, dtype=torch.bool, device=device).triu(-(window - 1))
+    return band.tril() if is_causal else band.tril(window - 1)
+
+
 def key_padding(valid: Tensor) -> Tensor:
     """[B, S] validity -> [B, 1, 1, S]: every query may attend to every real key."""
     return valid[:, None, None, :]
@@ -67,24 +79,31 @@ def and_masks(*masks: Tensor | None) -> Tensor | None:
 
 
 def self_attention_mask(valid: Tensor | None, is_causal: bool, length: int,
-                        device: torch.device | str | None = None) -> Tensor | None:
-    """Encoder (padding) or decoder (causal AND padding) self-attention mask, [B|1, 1, L, L]."""
-    return and_masks(
-        causal(length, device)[None, None] if is_causal else None,
-        key_padding(valid) if valid is not None else None,
-    )
+                        device: torch.device | str | None = None,
+                        window: int | None = None) -> Tensor | None:
+    """Encoder (padding) or decoder (causal AND padding) self-attention mask, [B|1, 1, L, L];
+    with a ``window``, the causal or bidirectional band replaces the plain causal triangle."""
+    if window is not None:
+        structure = sliding_window(length, window, is_causal, device)[None, None]
+    else:
+        structure = causal(length, device)[None, None] if is_causal else None
+    return and_masks(structure, key_padding(valid) if valid is not None else None)
 
 
 def encoder_self_mask(src_valid: Tensor | None, src_len: int,
-                      device: torch.device | str | None = None) -> Tensor | None:
-    """What the encoder's self-attention uses: source padding only, [B, 1, 1, S]."""
-    return self_attention_mask(src_valid, False, src_len, device)
+                      device: torch.device | str | None = None,
+                      window: int | None = None) -> Tensor | None:
+    """What the encoder's self-attention uses: source padding only, [B, 1, 1, S]; with a
+    ``window``, the bidirectional band AND padding, [B|1, 1, S, S]."""
+    return self_attention_mask(src_valid, False, src_len, device, window)
 
 
 def decoder_self_mask(tgt_valid: Tensor | None, tgt_len: int,
-                      device: torch.device | str | None = None) -> Tensor | None:
-    """What the decoder's (masked) self-attention uses: causal AND target padding, [B|1, 1, T, T]."""
-    return self_attention_mask(tgt_valid, True, tgt_len, device)
+                      device: torch.device | str | None = None,
+                      window: int | None = None) -> Tensor | None:
+    """What the decoder's (masked) self-attention uses: causal (or the causal band of
+    ``window``) AND target padding, [B|1, 1, T, T]."""
+    return self_attention_mask(tgt_valid, True, tgt_len, device, window)
 
 
 def cross_attention_mask(src_valid: Tensor | None) -> Tensor | None:

@@ -4,8 +4,8 @@ One :class:`Block` serves the encoder layer (self-attention, FFN), the decoder l
 (masked self-attention, cross-attention, FFN) and the decoder-only layer (no cross-attention).
 Norm placement is one visible branch in :meth:`Block._residual`.
 
-Legend: B batch, S source length, T target length, h heads, d_k = d_model / h,
-V_src / V_tgt vocabulary sizes. Activations are batch-first: [B, L, d_model].
+Legend: B batch, S source length, T target length, h heads, h_kv K/V heads, d_k head dimension
+(d_model / h unless head_dim is set), V_src / V_tgt vocabulary sizes. Activations are batch-first: [B, L, d_model].
 """
 
 from __future__ import annotations
@@ -17,41 +17,69 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tfcli.model import masks
-from tfcli.model.attention import MultiHeadAttention
+from tfcli.model.attention import MultiHeadAttention, Rotary
 from tfcli.model.config import Config
 from tfcli.errors import InputError
 
 
 class ScalarLayerNorm(nn.Module):
-    """LayerNorm with one learned gain and one bias shared by all features (some tutorials)."""
+    """A norm with one learned gain (and bias) shared by all features (some tutorials); the
+    LayerNorm by default, RMSNorm with ``rms``."""
 
-    def __init__(self, eps: float) -> None:
+    def __init__(self, eps: float, rms: bool = False, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
+        self.rms = rms
         self.weight = nn.Parameter(torch.ones(()))
-        self.bias = nn.Parameter(torch.zeros(()))
+        self.bias = nn.Parameter(torch.zeros(())) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.layer_norm(x, x.shape[-1:], eps=self.eps) + self.bias
+        normed = (F.rms_norm if self.rms else F.layer_norm)(x, x.shape[-1:], eps=self.eps)
+        return self.weight * normed + self.bias if self.bias is not None else self.weight * normed
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm(x) = x / sqrt(mean(x²) + eps) · g (Zhang & Sennrich 2019), with an optional bias
+    (torch's has none; LLaMA's has none either)."""
+
+    def __init__(self, d_model: int, eps: float, bias: bool) -> None:
+        super().__init__(d_model, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        return out + self.bias if self.bias is not None else out
 
 
 def make_norm(cfg: Config) -> nn.Module:
+    rms, bias = cfg.norm == "rmsnorm", cfg.has_norm_bias
     if cfg.norm_affine == "scalar":
-        return ScalarLayerNorm(cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        return ScalarLayerNorm(cfg.norm_eps, rms=rms, bias=bias)
+    if rms:
+        return RMSNorm(cfg.d_model, cfg.norm_eps, bias)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=bias)
+
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU,
+               "gelu-tanh": lambda: nn.GELU(approximate="tanh")}
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, eq. (2): [B, L, d_model] -> [B, L, d_ff] -> back."""
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, eq. (2): [B, L, d_model] -> [B, L, d_ff] -> back.
+    Gated (Shazeer 2020, SwiGLU / GeGLU): (act(x W_gate) ⊙ x W_1) W_2, three matrices."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__()
-        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.activation = nn.ReLU() if cfg.activation == "relu" else nn.GELU()
-        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        bias = cfg.ffn_bias
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias) if cfg.gated_ffn else None
+        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.activation = ACTIVATIONS[cfg.activation]()
+        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.activation(self.linear1(x)))
+        if self.gate is None:
+            return self.linear2(self.activation(self.linear1(x)))
+        return self.linear2(self.activation(self.gate(x)) * self.linear1(x))  # [B, L, d_ff] inside
 
 
 class SinusoidalPositions(nn.Module):
@@ -131,13 +159,16 @@ class Block(nn.Module):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
 
-        def attention() -> MultiHeadAttention:
+        def attention(rope: bool) -> MultiHeadAttention:
+            rotary = Rotary(cfg.d_k, cfg.rope_theta, cfg.max_seq_len) if rope else None
             return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_bias, cfg.attention,
-                                      cfg.dropout)
+                                      cfg.dropout, cfg.kv_heads, cfg.d_k, rotary)
 
-        self.self_attn = attention()
+        # Rotary positions turn queries and keys of one sequence; cross-attention compares two
+        # sequences, so it is left unrotated (as in T5-style encoder-decoders).
+        self.self_attn = attention(cfg.positional == "rope")
         self.self_attn_norm = make_norm(cfg)
-        self.cross_attn = attention() if cross else None
+        self.cross_attn = attention(False) if cross else None
         self.cross_attn_norm = make_norm(cfg) if cross else None
         self.ffn = FeedForward(cfg)
         self.ffn_norm = make_norm(cfg)
@@ -186,7 +217,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
 
         def embeddings(vocab_size: int) -> Embeddings | None:
-            if vocab_size or cfg.positional != "none" or cfg.embed_norm:
+            if vocab_size or cfg.positional in ("sinusoidal", "learned") or cfg.embed_norm:
                 return Embeddings(cfg, vocab_size)
             return None  # already-embedded inputs pass straight in, as in torch.nn.Transformer
 
@@ -223,8 +254,10 @@ class Transformer(nn.Module):
         if not vocab and (x.dim() != 3 or x.size(-1) != self.cfg.d_model):
             raise InputError(f"{side}: expected embeddings [B, L, {self.cfg.d_model}] "
                              f"({side}_vocab_size=0), got {list(x.shape)}")
-        if embed is not None and embed.pos is not None and x.size(1) > embed.max_len:
-            raise InputError(f"{side}: length {x.size(1)} exceeds max_seq_len={embed.max_len}")
+        positions = self.cfg.positional != "none"  # a table, or rotary angles per position
+        if positions and x.size(1) > self.cfg.max_seq_len:
+            raise InputError(f"{side}: length {x.size(1)} exceeds "
+                             f"max_seq_len={self.cfg.max_seq_len}")
         if valid is not None and tuple(valid.shape) != tuple(x.shape[:2]):
             raise InputError(f"{side}_valid: expected shape {list(x.shape[:2])}, "
                              f"got {list(valid.shape)}")
@@ -232,13 +265,15 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
         x = self._embed(self.src_embed, src, src_valid, "src")  # [B, S, d_model]
-        mask = masks.encoder_self_mask(src_valid, x.size(1), x.device)  # [B, 1, 1, S]
+        window = self.cfg.attention_window
+        mask = masks.encoder_self_mask(src_valid, x.size(1), x.device, window)  # [B|1, 1, 1|S, S]
         return self.encoder(x, mask)  # memory [B, S, d_model]
 
     def decode(self, tgt: Tensor, memory: Tensor | None = None, src_valid: Tensor | None = None,
                tgt_valid: Tensor | None = None) -> Tensor:
         x = self._embed(self.tgt_embed, tgt, tgt_valid, "tgt")  # [B, T, d_model]
-        mask = masks.decoder_self_mask(tgt_valid, x.size(1), x.device)  # [B|1, 1, T, T]
+        window = self.cfg.attention_window
+        mask = masks.decoder_self_mask(tgt_valid, x.size(1), x.device, window)  # [B|1, 1, T, T]
         cross = masks.cross_attention_mask(src_valid) if memory is not None else None
         h = self.decoder(x, mask, memory, cross)  # [B, T, d_model]
         return self.output(h) if self.output is not None else h  # [B, T, V_tgt]
