@@ -1,20 +1,67 @@
-"""`tfcli config`: the resolved configuration (preset, then file, then --set)."""
+"""`tfcli config`: the resolved configuration (preset, then file, then --set), or with --fields
+every key that --set and --config accept."""
 
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
-from tfcli.cli._common import ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json, resolve_config
+import typer
+
+from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json,
+                               resolve_config, stdout)
+from tfcli.errors import TfcliError
+
+FieldsOpt = Annotated[bool, typer.Option(
+    "--fields", help="List every configuration key: type, allowed values, default, meaning.")]
+MarkdownOpt = Annotated[bool, typer.Option(
+    "--markdown", help="With --fields: a Markdown table (the README's).")]
 
 
 def config(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+           fields: FieldsOpt = False, markdown: MarkdownOpt = False,
            json_out: JsonOpt = False) -> None:
-    """Print the resolved configuration as TOML (loadable again with --config) or JSON."""
+    """Print the resolved configuration as TOML (loadable again with --config) or JSON; with
+    --fields, the keys --set and --config accept."""
+    if fields:
+        if preset or config or set_:
+            raise TfcliError("--fields lists the keys themselves; it takes no --preset, "
+                             "--config or --set")
+        return _fields(markdown, json_out)
+    if markdown:
+        raise TfcliError("--markdown goes with --fields")
     from tfcli.model.config import to_toml
 
     cfg = resolve_config(preset, config, set_)
     if json_out:
         print_json({"config": cfg.to_dict(),
-                    "derived": {"kind": cfg.kind, "d_k": cfg.d_k, "embed_dim": cfg.embed_dim}})
+                    "derived": {"kind": cfg.kind, "d_k": cfg.d_k, "kv_heads": cfg.kv_heads,
+                                "embed_dim": cfg.embed_dim}})
         return
     sys.stdout.write(f"# tfcli configuration: {cfg.kind}, d_k = {cfg.d_k}\n" + to_toml(cfg))
+
+
+def _fields(markdown: bool, json_out: bool) -> None:
+    from tfcli.model.config import field_table, fields_markdown
+
+    if json_out:
+        print_json({"fields": field_table()})
+        return
+    if markdown:
+        sys.stdout.write(fields_markdown())
+        return
+    from rich.table import Table
+
+    from rich import box
+
+    table = Table(title="tfcli configuration keys (--set KEY=VALUE, or KEY = VALUE in --config)",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    # Names, types and defaults stay whole; allowed values and meaning share the one column that
+    # wraps, so the table reads at 80 columns without cutting anything to "…".
+    for col in ("field", "type", "default"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("allowed values / meaning", overflow="fold")
+    for row in field_table():
+        allowed = f"allowed: {row['allowed']}\n" if row["allowed"] else ""
+        table.add_row(row["field"], row["type"], row["default"], allowed + row["meaning"])
+    stdout().print(table)
