@@ -6,7 +6,7 @@ from tfcli.cli._common import JsonOpt, print_json, stdout
 
 
 def presets(json_out: JsonOpt = False) -> None:
-    """List the named presets with a description, source and parameter count."""
+    """List the named presets with their kind, parameter count, description and source."""
     from rich.table import Table
 
     from tfcli.model.counting import count_params
@@ -21,11 +21,17 @@ def presets(json_out: JsonOpt = False) -> None:
     if json_out:
         print_json({"presets": rows})
         return
-    table = Table(title="tfcli presets (parameters counted once where tied)")
-    for col, just in (("preset", "left"), ("kind", "left"), ("parameters", "right"),
-                      ("description", "left")):
-        table.add_column(col, justify=just)
+    from rich import box
+
+    table = Table(title="tfcli presets (parameters counted once where tied)",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("preset", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("parameters", justify="right", no_wrap=True)
+    # Description and source share the one column that wraps, so 80 columns cut nothing.
+    table.add_column("description / source", overflow="fold")
     for row in rows:
         name = row["name"] + (" (default)" if row["default"] else "")
-        table.add_row(name, row["kind"], f"{row['params']:,}", row["description"])
+        table.add_row(name, row["kind"], f"{row['params']:,}",
+                      f"{row['description']}\nsource: {row['source']}")
     stdout().print(table)
