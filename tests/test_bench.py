@@ -89,7 +89,7 @@ def test_model_flops_agree_with_corrected_flop_counter():
 
     cfg = get_preset("tiny").replace(dropout=0.0)
     sweep = Sweep(tiny_spec(what="model", kernels=["sdpa"], passes=["fwd"]), cfg)
-    forward, attention = sweep._model_flops(2, 12, 12)
+    forward, attention = sweep._model_flops(dict(B=2, S=12, T=12))
     model = build_model(cfg).eval()
     inputs = {k: v for k, v in example_inputs(cfg, 2, 12, 12).items() if v is not None}
     counted = count_with_flop_counter(lambda: model(**inputs))

@@ -11,7 +11,8 @@ import torchinfo
 
 from tfcli.model.counting import count_params
 from tfcli.inspection.memory import (OPTIMIZER_STATES, estimate_activations, profile_peak_bytes,
-                          training_loss, training_memory)
+                                     training_memory)
+from tfcli.subjects.own import OwnSubject
 from tfcli.model.transformer import build_model, example_inputs
 from tfcli.inspection.params import freeze, param_report
 from tfcli.model.presets import PRESETS, get_preset
@@ -132,23 +133,26 @@ CASES = [
 @pytest.mark.parametrize("name,overrides,batch,length", CASES)
 def test_activation_estimate_matches_a_real_cpu_peak(name, overrides, batch, length):
     cfg = get_preset(name).replace(**overrides)
-    estimate, _ = estimate_activations(cfg, batch, length, length)
+    estimate, _ = estimate_activations(OwnSubject(cfg), dict(B=batch, S=length, T=length))
     torch.manual_seed(0)
     model = build_model(cfg).train()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     inputs = {k: v for k, v in example_inputs(cfg, batch, length, length).items() if v is not None}
-    loss, _ = training_loss(cfg)
+    loss = OwnSubject(cfg).loss
     measured = profile_peak_bytes(lambda: loss(model(**inputs)).backward())
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
 
 
 def test_attention_matrices_are_quadratic_for_naive_and_absent_for_cpu_flash():
     cfg = get_preset("tiny").replace(dropout=0.0)
-    naive = [estimate_activations(cfg.replace(attention="naive"), 1, n, n)[0] for n in (32, 64)]
+    def estimate(cfg, n):
+        return estimate_activations(OwnSubject(cfg), dict(B=1, S=n, T=n))[0]
+
+    naive = [estimate(cfg.replace(attention="naive"), n) for n in (32, 64)]
     ratio = naive[1].saved_bytes["attention matrices"] / naive[0].saved_bytes["attention matrices"]
     assert ratio == pytest.approx(4.0)
-    flash = estimate_activations(cfg, 1, 64, 64)[0]
+    flash = estimate(cfg, 64)
     assert flash.saved_bytes.get("attention matrices", 0) < naive[1].saved_bytes["attention matrices"] / 10
 
 

@@ -12,14 +12,16 @@ from torch import nn
 from tfcli.inspection.flops import count_with_flop_counter
 from tfcli.model.transformer import FeedForward, build_model, example_inputs
 from tfcli.model.presets import get_preset
-from tfcli.inspection.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
+from tfcli.inspection.shapes import ForwardFailed, ambiguous, symbolic, trace
+from tfcli.subjects.own import OwnSubject, dimension_names
 
 
 def run_trace(name, device="meta", batch=2, src=9, tgt=7, causal_half=False, **overrides):
     cfg = get_preset(name).replace(**overrides)
     model = build_model(cfg, device)
     inputs = {k: v for k, v in example_inputs(cfg, batch, src, tgt, device).items() if v is not None}
-    return cfg, model, inputs, trace(model, inputs, causal_half)
+    return cfg, model, inputs, trace(model, inputs, causal_half,
+                                     is_causal_scope=OwnSubject(cfg).is_causal_scope)
 
 
 def by_path(events):

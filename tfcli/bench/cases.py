@@ -121,20 +121,28 @@ def prepare_attention(kernel: str, which: str, batch: int, heads: int, head_dim:
     return Prepared(run, output, flops, 1.0, batch * length)
 
 
-def prepare_model(model: torch.nn.Module, cfg, which: str, batch: int, src_len: int,
-                  tgt_len: int, device: str, flops: tuple[int, int]) -> Prepared:
-    """``flops``: (forward total, forward attention core) from a meta trace."""
-    from tfcli.model.transformer import example_inputs
+def prepare_model(model: torch.nn.Module, subject, which: str, sizes: dict[str, int],
+                  device: str, flops: tuple[int, int]) -> Prepared:
+    """``flops``: (forward total, forward attention core) from a meta trace. The timed callable
+    sets the model's mode itself (eval for fwd, train for bwd and fwdbwd): cells of one model
+    are interleaved, so a mode set while preparing would not hold when another cell runs."""
+    from tfcli.subjects.base import primary_output
 
-    inputs = {k: v for k, v in example_inputs(cfg, batch, src_len, tgt_len, device).items()
-              if v is not None}
-    for key, value in inputs.items():
-        if value.is_floating_point():
-            inputs[key] = value.to(next(model.parameters()).dtype)
+    inputs = subject.make_inputs(model, sizes, device)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        inputs.kwargs.update({k: v.to(dtype) for k, v in inputs.kwargs.items()
+                              if isinstance(v, Tensor) and v.is_floating_point()})
     model.eval()  # the correctness output: no dropout, so kernels can be compared
     with torch.no_grad():
-        output = model(**inputs)
-    model.train(which != "fwd")  # fwd is inference; bwd and fwdbwd are training steps
-    run, total = _passes(lambda: model(**inputs), which, flops[0])
-    tokens = batch * (tgt_len if cfg.has_decoder else src_len)
+        output = primary_output(inputs(model))
+    training = which != "fwd"  # fwd is inference; bwd and fwdbwd are training steps
+
+    def forward() -> Tensor:
+        model.train(training)
+        return primary_output(inputs(model))
+
+    run, total = _passes(forward, which, flops[0])
+    lengths = [sizes[d] for d in subject.length_dims()] or [1]
+    tokens = sizes["B"] * lengths[-1]  # the target side's (or the only) length
     return Prepared(run, output, total, flops[1] / flops[0] if flops[0] else 0.0, tokens)

@@ -158,11 +158,18 @@ def _failure(err: BaseException) -> str:
 
 
 class Sweep:
-    def __init__(self, spec: Spec, cfg=None, on_record: Callable[[Record], None] = lambda r: None,
+    def __init__(self, spec: Spec, subject=None,
+                 on_record: Callable[[Record], None] = lambda r: None,
                  on_progress: Callable[[str, int], None] = lambda desc, done: None,
                  prepare: Callable | None = None,
                  after_cell: Callable[[Record, Prepared], None] | None = None) -> None:
-        self.spec, self.cfg = spec, cfg
+        from tfcli.model.config import Config
+
+        if isinstance(subject, Config):  # tfcli's own model, given by its configuration
+            from tfcli.subjects.own import OwnSubject
+
+            subject = OwnSubject(subject)
+        self.spec, self.subject = spec, subject
         self.on_record, self.on_progress = on_record, on_progress
         self.records: list[Record] = []
         self.kernels_ok: dict[str, dict[str, str]] = {}
@@ -192,42 +199,46 @@ class Sweep:
     # --- cells -------------------------------------------------------------------------------
 
     def _model(self, kernel: str, device: str, dtype: str):
-        from tfcli.model.transformer import build_model
-
         key = (kernel, device, dtype)
         if key not in self._models:
             torch.manual_seed(self.spec.seed)
-            model = build_model(self.cfg.replace(attention=kernel), device, DTYPES[dtype])
+            model = self.subject.build(device, DTYPES[dtype], kernel=kernel)
             first = next(iter(m for k, m in self._models.items() if k[1:] == key[1:]), None)
             if first is not None:
                 model.load_state_dict(first.state_dict())  # same weights for every kernel
             self._models[key] = model
         return self._models[key]
 
-    def _model_flops(self, batch: int, src_len: int, tgt_len: int) -> tuple[int, int]:
-        key = (batch, src_len, tgt_len)
+    def _sizes(self, length: int) -> dict[str, int]:
+        """B and every length letter the subject's inputs use set to L (T to --tgt-len)."""
+        s = self.spec
+        sizes = {**self.subject.default_sizes, "B": s.batch_for(length)}
+        sizes.update({d: length for d in self.subject.length_dims()})
+        if s.tgt_len:
+            sizes["T"] = s.tgt_len
+        return sizes
+
+    def _model_flops(self, sizes: dict[str, int]) -> tuple[int, int]:
+        key = tuple(sorted(sizes.items()))
         if key not in self._flops:
-            from tfcli.model.transformer import build_model, example_inputs
             from tfcli.inspection.shapes import trace
 
-            model = build_model(self.cfg, "meta")
-            inputs = {k: v for k, v in example_inputs(self.cfg, batch, src_len, tgt_len,
-                                                      "meta").items() if v is not None}
-            events = trace(model, inputs, causal_half=True)
-            attention = sum(e.flops for e in events if e.type == "Attend")
-            self._flops[key] = (events[0].flops, attention)
+            model = self.subject.build("meta")
+            inputs = self.subject.make_inputs(model, sizes, "meta")
+            events = trace(model, inputs, causal_half=True,
+                           is_causal_scope=self.subject.is_causal_scope)
+            self._flops[key] = (events[0].flops, events[0].attention_flops)
         return self._flops[key]
 
     def _prepare_cell(self, length: int, kernel: str, which: str, device: str,
                       dtype: str) -> Prepared:
         s = self.spec
-        batch = s.batch_for(length)
         if s.what == "attention":
-            return prepare_attention(kernel, which, batch, s.heads, s.head_dim, length, s.causal,
-                                     device, DTYPES[dtype], s.seed)
-        tgt = s.tgt_len or length
-        return prepare_model(self._model(kernel, device, dtype), self.cfg, which, batch, length,
-                             tgt, device, self._model_flops(batch, length, tgt))
+            return prepare_attention(kernel, which, s.batch_for(length), s.heads, s.head_dim,
+                                     length, s.causal, device, DTYPES[dtype], s.seed)
+        sizes = self._sizes(length)
+        return prepare_model(self._model(kernel, device, dtype), self.subject, which, sizes,
+                             device, self._model_flops(sizes))
 
     # --- the sweep ---------------------------------------------------------------------------
 

@@ -35,12 +35,53 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", "-s", metavar="KEY=VALUE", show_default=False,
     help="Override one field, e.g. --set d_model=256 (repeatable; applied last).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", metavar="FILE.py:NAME|module:NAME|hf:PATH", show_default=False,
+    help="Inspect a model tfcli did not build: NAME is an nn.Module subclass or a callable "
+         "returning a module or (module, example_inputs); importing FILE runs its code (your "
+         "explicit opt-in; nothing else is executed). hf:PATH builds the Transformers model "
+         "for a config.json (or a directory holding one) from the config alone, random "
+         "weights, nothing downloaded.")]
+ModelArgOpt = Annotated[Optional[list[str]], typer.Option(
+    "--model-arg", metavar="KEY=VALUE", show_default=False,
+    help="Keyword argument for --model's callable, read as a Python literal (else a string); "
+         "repeatable.")]
+HfClassOpt = Annotated[Optional[str], typer.Option(
+    "--hf-class", metavar="CLASS", show_default=False,
+    help="Transformers model class for --model hf:PATH (default: the config's architectures, "
+         "else the causal-LM, seq2seq-LM or base class).")]
+InputOpt = Annotated[Optional[list[str]], typer.Option(
+    "--input", "-i", metavar="NAME=DTYPE[DIMS]", show_default=False,
+    help="An input of --model's forward, e.g. src=int64[B,S] or x=float32[B,L,512]; integer "
+         "ids are drawn below the smallest embedding table unless it ends in <N. Repeatable.")]
+DimOpt = Annotated[Optional[list[str]], typer.Option(
+    "--dim", metavar="NAME=SIZE", show_default=False,
+    help="Size of a dimension letter used by --input, e.g. --dim S=128 (repeatable).")]
 
 
 def resolve_config(preset: str | None, config: Path | None, overrides: list[str] | None):
     from tfcli.model.config import load_config
 
     return load_config(preset, config, overrides or [])
+
+
+def resolve_subject(preset, config, overrides, model, model_args, hf_class, inputs):
+    from tfcli.subjects import resolve_subject as resolve
+
+    return resolve(preset, config, overrides, model, model_args, hf_class, inputs)
+
+
+def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | None,
+          length: int | None = None) -> dict[str, int]:
+    """The size of every letter: B, S, T (and L) from the usual options, --dim over them."""
+    from tfcli.subjects.base import parse_dim
+
+    out = {**subject.default_sizes, "B": batch, "S": src_len, "T": tgt_len,
+           "L": length if length is not None else src_len}
+    for text in dims or []:
+        name, value = parse_dim(text)
+        out[name] = value
+    return out
 
 
 def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int]:

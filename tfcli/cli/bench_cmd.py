@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
-                               resolve_config, stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
+                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
+                               stdout)
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
-MODEL_KERNELS = ["naive", "sdpa"]
 
 
 def _choices(text: str, option: str, allowed: list[str]) -> list[str]:
@@ -35,6 +35,8 @@ def _writable(path: Path | None, option: str, suffix: str | None = None) -> None
 
 def bench(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    input_: InputOpt = None, dim: DimOpt = None,
     what: Annotated[str, typer.Option(
         metavar="attention|model",
         help="attention: the attention core alone; model: the configured model.")] = "attention",
@@ -47,7 +49,8 @@ def bench(
     kernels: Annotated[Optional[str], typer.Option(
         metavar="K,K,…", show_default=False,
         help=f"Attention: {', '.join(ALL_KERNELS)} (default all; those that fail a probe on "
-             f"the device are reported, not run). Model: naive, sdpa.")] = None,
+             f"the device are reported, not run). Model: naive, sdpa for tfcli's own; a "
+             f"--model runs as written ('model').")] = None,
     device: Annotated[str, typer.Option(
         metavar="cpu,cuda,mps", help="Devices; an absent one is reported as skipped.")] = "cpu",
     dtype: Annotated[str, typer.Option(metavar="fp32,bf16,fp16", help="Dtypes.")] = "fp32",
@@ -87,10 +90,11 @@ def bench(
     """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
     if what not in ("attention", "model"):
         raise TfcliError(f"--what {what!r}: choose attention or model")
-    cfg = resolve_config(preset, config, set_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    cfg = getattr(subject, "cfg", None)
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
-    allowed = ALL_KERNELS if what == "attention" else MODEL_KERNELS
+    allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
     chosen = _choices(kernels, "--kernels", allowed) if kernels else allowed
     devices = _choices(device, "--device", ["cpu", "cuda", "mps"])
     dtypes = _choices(dtype, "--dtype", ["fp32", "bf16", "fp16"])
@@ -101,7 +105,7 @@ def bench(
                          f"batch = tokens / L must be at least 1")
     if what == "model":
         longest = max(max(lengths), tgt_len or 0)
-        if cfg.positional != "none" and longest > cfg.max_seq_len:
+        if cfg is not None and cfg.positional != "none" and longest > cfg.max_seq_len:
             raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"add --set max_seq_len={longest}")
         if heads or head_dim or causal:
@@ -109,6 +113,15 @@ def bench(
                              "the model's own come from its configuration")
     elif tgt_len is not None:
         raise TfcliError("--tgt-len applies to --what model")
+    if what == "model" and cfg is None:
+        probe = subject.build("meta")
+        subject.make_inputs(probe, {**subject.default_sizes, "B": 1}, "meta")  # inputs known?
+        if not subject.length_dims():
+            raise TfcliError("--what model sweeps the length letters S, T or L of the inputs; "
+                             "describe them with --input NAME=DTYPE[B,L] (for example)")
+    if dim:
+        raise TfcliError("--dim: bench sets B from --batch-size and every length letter from "
+                         "--seq-lens")
     _writable(csv_path, "--csv")
     _writable(plot, "--plot", ".png")
     if plot is not None:
@@ -123,13 +136,14 @@ def bench(
 
     from tfcli.bench.sweep import Spec
 
+    known = subject.model_dims(None) if cfg is not None or subject.kind == "hf" else {}
     spec = Spec(what, lengths, chosen, passes, devices, dtypes, batch_size, tokens,
-                heads or cfg.n_heads, head_dim or cfg.d_k, causal, tgt_len,
+                heads or known.get("h", 8), head_dim or known.get("d_k", 64), causal, tgt_len,
                 threads or torch.get_num_threads(), min_time, max_time, calibrate, seed)
-    _run(spec, cfg, csv_path, plot, profile, json_out)
+    _run(spec, subject, csv_path, plot, profile, json_out)
 
 
-def _run(spec, cfg, csv_path: Path | None, plot: Path | None, profile: Path | None,
+def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path | None,
          json_out: bool) -> None:
     """Run the sweep with progress on stderr, CSV rows as cells finish, then the outputs."""
     from rich.console import Console
@@ -160,7 +174,7 @@ def _run(spec, cfg, csv_path: Path | None, plot: Path | None, profile: Path | No
 
     with progress:
         task = progress.add_task("starting", total=None)
-        sweep = Sweep(spec, cfg, on_record,
+        sweep = Sweep(spec, subject, on_record,
                       lambda desc, done: progress.update(task, description=desc, completed=done,
                                                          total=sweep.total_cells),
                       after_cell=after_cell)

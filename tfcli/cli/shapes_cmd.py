@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
-                               resolve_config, stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
+                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
+                               sizes, stdout)
 from tfcli.errors import TfcliError
 
 
@@ -31,6 +32,8 @@ def _check_device(device: str) -> None:
 
 def shapes(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    input_: InputOpt = None, dim: DimOpt = None,
     batch_size: Annotated[int, typer.Option(min=1, help="B in the example batch.")] = 2,
     src_len: Annotated[int, typer.Option(min=1, help="S, the source length.")] = 9,
     tgt_len: Annotated[int, typer.Option(min=1, help="T, the target length.")] = 7,
@@ -53,55 +56,66 @@ def shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
-    from tfcli.model import masks
     from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
-    from tfcli.model.transformer import build_model, example_inputs
+    from tfcli.inspection.shapes import ForwardFailed, ambiguous, infer_dims, symbolic, trace
+    from tfcli.model import masks
     from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.inspection.shapes import ForwardFailed, ambiguous, dimension_names, symbolic, trace
+    from tfcli.subjects.base import primary_output
 
-    cfg = resolve_config(preset, config, set_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     _check_device(device.value)
+    dims = sizes(subject, batch_size, src_len, tgt_len, dim)
+    cfg = getattr(subject, "cfg", None)
     lengths = {"src": src_len, "tgt": tgt_len}
-    for side, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)):
-        if present and cfg.positional != "none" and lengths[side] > cfg.max_seq_len:
-            raise TfcliError(f"--{side}-len {lengths[side]} exceeds max_seq_len={cfg.max_seq_len}")
-    model = build_model(cfg, device.value).eval()
-    inputs = {k: v for k, v in example_inputs(cfg, batch_size, src_len, tgt_len,
-                                              device.value).items() if v is not None}
+    if cfg is not None:
+        for side, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)):
+            if present and cfg.positional != "none" and lengths[side] > cfg.max_seq_len:
+                raise TfcliError(f"--{side}-len {lengths[side]} exceeds "
+                                 f"max_seq_len={cfg.max_seq_len}")
+    elif src_lens is not None or tgt_lens is not None:
+        raise TfcliError("--src-lens/--tgt-lens pad tfcli's own model; for --model, see "
+                         "`tfcli masks --lengths`")
+    model = subject.build(device.value).eval()
+    inputs = subject.make_inputs(model, dims, device.value)
     for side, text in (("src", src_lens), ("tgt", tgt_lens)):
         if text is None:
             continue
-        if side not in inputs:
+        if side not in inputs.kwargs:
             raise TfcliError(f"--{side}-lens: this {cfg.kind} model has no "
                              f"{'source' if side == 'src' else 'target'} side")
         lens = int_list(text, f"--{side}-lens", "5,3")
         if len(lens) != batch_size or not all(0 <= n <= lengths[side] for n in lens):
             raise TfcliError(f"--{side}-lens {text!r}: give {batch_size} lengths (--batch-size), "
                              f"each in 0..{lengths[side]} (--{side}-len)")
-        inputs[f"{side}_valid"] = masks.valid_from_lengths(lens, lengths[side]).to(device.value)
+        inputs.kwargs[f"{side}_valid"] = masks.valid_from_lengths(lens, lengths[side]).to(
+            device.value)
 
-    names = dimension_names(cfg, batch_size, src_len, tgt_len)
+    used = {k: dims[k] for k in subject.dims_used() if k in dims}
     try:
         with flop_counting() as counter:  # one forward pass: the trace, counted by torch too
-            events = trace(model, inputs, causal_half=causal_flops)
+            events = trace(model, inputs, causal_half=causal_flops,
+                           is_causal_scope=subject.is_causal_scope)
     except ForwardFailed as failure:
+        names = {**used, **subject.model_dims(model)}
         if json_out:
-            print_json({"error": str(failure), "events": [vars(e) for e in failure.events]})
+            print_json({"error": str(failure), "events": [e.to_dict() for e in failure.events]})
         else:
             stdout().print(build_tree(failure.events, names, depth, True, False,
                                       "partial trace (the forward pass failed)"))
             typer.echo(f"tfcli: {failure}", err=True)
         raise typer.Exit(1) from None
+    names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
 
     forward = events[0].flops
     if backward:  # a second pass, forward and backward, for the counter
         model.train()
-        counter = count_with_flop_counter(lambda: model(**inputs).float().sum().backward())
+        counter = count_with_flop_counter(
+            lambda: primary_output(inputs(model)).float().sum().backward())
     ours = forward * (3 if backward else 1)
     reasons = []
     if causal_flops:
         reasons.append("--causal-flops counts half of each causal QKᵀ and AV; torch counts all")
-    if backward and cfg.attention == "sdpa" and counter.registered:
+    if backward and counter.registered:
         reasons.append("torch counts the fused SDPA backward as 2.5 × forward (it recomputes "
                        "QKᵀ); tfcli's convention is 2 ×")
     unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
@@ -109,7 +123,8 @@ def shapes(
     if json_out:
         print_json({
             "dims": names, "ambiguous": unclear, "device": device.value,
-            "events": [{**vars(e), "details": [vars(d) for d in e.details],
+            "subject": subject.describe(),
+            "events": [{**e.to_dict(),
                         "inputs_symbolic": [None if s is None else symbolic(s, names)
                                             for s in e.inputs],
                         "outputs_symbolic": [None if s is None else symbolic(s, names)
@@ -126,9 +141,9 @@ def shapes(
     console.print(f"dimensions: {legend}")
     for line in unclear:
         console.print(f"ambiguous: size {line}; choose other example sizes "
-                      f"(--batch-size, --src-len, --tgt-len)", style="yellow")
+                      f"(--batch-size, --src-len, --tgt-len, --dim)", style="yellow")
     console.print(build_tree(events, names, depth, expand, backward,
-                             f"{cfg.kind} on {device.value}"))
+                             f"{cfg.kind if cfg is not None else subject.label} on {device.value}"))
     what = "forward+backward" if backward else "forward"
     console.print(f"FLOPs ({what}): tfcli {flops_text(ours)}   [{CONVENTION}]")
     console.print(f"  torch FlopCounterMode as shipped: {flops_text(counter.flop_counter)} "

@@ -10,6 +10,7 @@ on the configurations the tests check. Nothing is allocated: a 7B model costs no
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,7 +20,6 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tfcli.model.attention import Attend
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16, "int8": torch.int8}
@@ -57,44 +57,40 @@ class _LiveStorages(TorchDispatchMode):
 
 
 class _SavedTensors:
-    """Records each distinct storage autograd saves for backward, with the module saving it."""
+    """Records each distinct storage autograd saves for backward. A saved tensor whose last two
+    dimensions are an attention call's (queries, keys) — seen by an OpObserver as the model
+    runs — is an attention matrix: the quadratic term."""
 
-    def __init__(self, model: nn.Module, existing: list[Tensor]) -> None:
-        # id(storage) -> (bytes, kind). Holding the storage objects themselves would keep their
-        # memory alive through backward and inflate the peak being measured.
-        self.by_storage: dict[int, tuple[int, str]] = {}
+    def __init__(self, existing: list[Tensor]) -> None:
+        # id(storage) -> (bytes, last two dims). Holding the storage objects themselves would
+        # keep their memory alive through backward and inflate the peak being measured.
+        self.by_storage: dict[int, tuple[int, tuple | None]] = {}
         self._existing = {id(t.untyped_storage()) for t in existing}
-        self._stack: list[tuple[nn.Module, tuple[int, int] | None]] = []
-        self._handles = []
-        for module in model.modules():
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._leave))
+        self.ops: list = []  # what the model did; an op is known as attention only later
 
-    def _enter(self, module: nn.Module, args) -> None:
-        lengths = None
-        if isinstance(module, Attend):  # q [B, h, T, d_k], k [B, h, S, d_k]
-            lengths = (args[0].size(-2), args[1].size(-2))
-        self._stack.append((module, lengths))
-
-    def _leave(self, module: nn.Module, args, output) -> None:
-        self._stack.pop()
+    def on_op(self, op) -> None:
+        if op.shape and len(op.shape) >= 3 and op.kind in ("matmul", "sdpa"):
+            self.ops.append(op)
 
     def pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
         if id(storage) not in self._existing and id(storage) not in self.by_storage:
-            self.by_storage[id(storage)] = (storage.nbytes(), self._classify(t))
+            tail = (tuple(t.shape[-2:]), t.numel()) if t.dim() >= 3 else None
+            self.by_storage[id(storage)] = (storage.nbytes(), tail)
         return t
 
-    def _classify(self, t: Tensor) -> str:
-        for _module, lengths in reversed(self._stack):
-            if lengths is not None:
-                quadratic = t.dim() >= 2 and tuple(t.shape[-2:]) == lengths
-                return "attention matrices" if quadratic else "attention"
-        return "other"
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
+    def sums(self) -> dict[str, int]:
+        """Saved bytes by kind; classified once the forward is over, since an op is seen only
+        after it has saved its tensors."""
+        # (T, S) and the element count of every score matrix: the whole shape, so that a
+        # [B, L, d_model] tensor with L = d_model is not taken for one
+        scores = {(tuple(op.shape[-2:]), math.prod(op.shape)) for op in self.ops
+                  if op.attention and op.kind != "weights·V"}
+        out: dict[str, int] = {}
+        for nbytes, tail in self.by_storage.values():
+            kind = "attention matrices" if tail in scores else "other"
+            out[kind] = out.get(kind, 0) + nbytes
+        return out
 
 
 @dataclass
@@ -109,41 +105,42 @@ class ActivationEstimate:
 
 
 def simulate_training_step(build: Callable[[], nn.Module],
-                           make_inputs: Callable[[], dict[str, Tensor]],
-                           loss: Callable[[Tensor], Tensor],
+                           make_inputs: Callable[[nn.Module], object],
+                           loss: Callable[[object], Tensor],
                            autocast_dtype: torch.dtype | None = None,
                            device: str = "cpu") -> ActivationEstimate:
-    """Peak activation bytes of ``loss(model(**inputs)).backward()`` with gradients already
-    allocated (they are accounted for separately), computed on fake tensors."""
+    """Peak activation bytes of ``loss(model(inputs)).backward()`` with gradients already
+    allocated (they are accounted for separately), computed on fake tensors. ``make_inputs``
+    returns a dict of keyword arguments or an ``Inputs``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.inspection.ops import OpObserver
+    from tfcli.subjects.base import Inputs
 
     with FakeTensorMode():
         model = build().train()
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        inputs = make_inputs()
+        inputs = make_inputs(model)
+        if not isinstance(inputs, Inputs):
+            inputs = Inputs((), dict(inputs))
         existing = [*model.parameters(), *model.buffers(),
                     *(p.grad for p in model.parameters() if p.grad is not None),
-                    *(t for t in inputs.values() if isinstance(t, Tensor))]
-        saved = _SavedTensors(model, existing)
+                    *inputs.tensors()]
+        saved = _SavedTensors(existing)
         live = _LiveStorages(existing)
         # Autograd accumulates into .grad in place only when nothing else references it:
         # keeping these references would make the replay take the out-of-place path.
         del existing
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        try:
-            with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                with amp:
-                    out = loss(model(**inputs))
-                sums: dict[str, int] = {}
-                for nbytes, kind in saved.by_storage.values():
-                    sums[kind] = sums.get(kind, 0) + nbytes
-                out.backward()
-                del out
-        finally:
-            saved.close()
+        with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            with amp, OpObserver(saved.on_op):
+                out = loss(inputs(model))
+            sums = saved.sums()
+            out.backward()
+            del out
     return ActivationEstimate(live.peak, sums)
 
 
@@ -235,31 +232,16 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
     return lines
 
 
-def training_loss(cfg) -> tuple[Callable[[Tensor], Tensor], str]:
-    """The loss a training step would use: cross-entropy over the target vocabulary when the
-    model emits logits, else the mean square of the hidden states (a stand-in)."""
-    import torch.nn.functional as F
-
-    if cfg.has_output:
-        def loss(out: Tensor) -> Tensor:
-            targets = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
-            return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
-        return loss, "cross-entropy loss"
-    return (lambda out: out.float().square().mean()), "mean-square loss on hidden states"
-
-
-def estimate_activations(cfg, batch_size: int, src_len: int, tgt_len: int, dtype: str = "fp32",
+def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                          mixed: str | None = None) -> tuple[ActivationEstimate, str]:
-    """Activation memory of one training step of ``cfg``, and a line saying how it was found."""
-    from tfcli.model.transformer import build_model, example_inputs
-
-    loss, loss_name = training_loss(cfg)
+    """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
+    and a line saying how it was found."""
     estimate = simulate_training_step(
-        lambda: build_model(cfg, "cpu", DTYPES[dtype] if dtype != "fp32" else None),
-        lambda: {k: v for k, v in example_inputs(cfg, batch_size, src_len, tgt_len).items()
-                 if v is not None},
-        loss, autocast_dtype=DTYPES[mixed] if mixed else None)
-    lengths = f"S={src_len}, T={tgt_len}" if cfg.kind == "encoder-decoder" else f"L={src_len}"
-    how = (f"fake-tensor replay of forward+backward with CPU kernels, B={batch_size}, {lengths}, "
-           f"{loss_name}" + (f", autocast {mixed}" if mixed else ""))
+        lambda: subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None),
+        lambda model: subject.make_inputs(model, sizes, "cpu"),
+        subject.loss, autocast_dtype=DTYPES[mixed] if mixed else None)
+    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.length_dims())
+    how = (f"fake-tensor replay of forward+backward with CPU kernels, B={sizes['B']}"
+           + (f", {lengths}" if lengths else "") + f", {subject.loss_name()}"
+           + (f", autocast {mixed}" if mixed else ""))
     return estimate, how

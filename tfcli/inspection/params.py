@@ -84,21 +84,35 @@ def freeze(model: nn.Module, patterns: list[str]) -> None:
             model.get_parameter(name).requires_grad_(False)
 
 
-def _kind(module_chain: list[nn.Module], top: str) -> str:
-    """Kind of a parameter, from the innermost module that says what it is."""
-    from tfcli.model.attention import MultiHeadAttention
-    from tfcli.model.transformer import Embeddings, FeedForward, ScalarLayerNorm
+OUTPUT_NAMES = {"output", "lm_head", "generator", "fc_out", "head", "classifier", "proj_out"}
 
-    for module in reversed(module_chain):
-        if isinstance(module, (MultiHeadAttention, nn.MultiheadAttention)):
-            return "attention"
-        if isinstance(module, FeedForward):
-            return "ffn"
-        if isinstance(module, (nn.LayerNorm, ScalarLayerNorm, nn.RMSNorm)):
-            return "norm"
-        if isinstance(module, (Embeddings, nn.Embedding)):
-            return "embedding"
-    return "output" if top == "output" else "other"
+
+def _kind_of(module: nn.Module, name: str) -> str | None:
+    """What a module is, from its type and its name, for any model (tfcli's, a tutorial's,
+    Transformers'): those name their classes and attributes after the paper's parts."""
+    cls = type(module).__name__.lower()
+    name = name.lower()
+    if isinstance(module, nn.MultiheadAttention) or "attention" in cls or "attn" in cls \
+            or name in ("attn", "attention", "self_attn", "cross_attn", "src_attn"):
+        return "attention"
+    if any(w in cls for w in ("feedforward", "mlp", "ffn")) or name in (
+            "ffn", "mlp", "feed_forward", "feedforward"):
+        return "ffn"
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in cls:
+        return "norm"
+    if isinstance(module, nn.Embedding) or "embedding" in cls:
+        return "embedding"
+    return None
+
+
+def _kind(module_chain: list[nn.Module], parts: list[str]) -> str:
+    """Kind of a parameter, from the innermost module that says what it is."""
+    names = ["", *parts]
+    for module, name in zip(reversed(module_chain), reversed(names)):
+        kind = _kind_of(module, name)
+        if kind is not None:
+            return kind
+    return "output" if parts and parts[0] in OUTPUT_NAMES else "other"
 
 
 def param_report(model: nn.Module) -> ParamReport:
@@ -136,7 +150,7 @@ def param_report(model: nn.Module) -> ParamReport:
             container=isinstance(module, containers)))
         for _, p in own:
             chain = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
-            by_kind[_kind(chain, parts[0] if parts else "")] += p.numel()
+            by_kind[_kind(chain, parts)] += p.numel()
             top = parts[0] if parts else "(model)"
             by_component[top] = by_component.get(top, 0) + p.numel()
 

@@ -1,21 +1,23 @@
 """Trace the shape of every tensor through every module call, in execution order.
 
-Forward hooks record each call's input and output shapes; they are removed and the model's
-mode restored in ``finally``, also when the forward pass fails, and the failure names the last
-module entered and the shapes that went into it. Inside attention the :class:`Attend` call
-also yields the score matrix, the mask as broadcast onto the scores and the weights.
+Forward hooks record each call's input and output shapes; an :class:`OpObserver` sees the
+operations inside each call (in any code: tfcli's, a tutorial's, Hugging Face's), which gives
+the attention scores ``[B, h, T, S]``, the mask as it reaches them, the weights, and the FLOPs
+of every matrix product. Hooks are removed and the model's mode restored in ``finally``, also
+when the forward pass fails, and the failure names the last module entered and the shapes that
+went into it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from tfcli.model.attention import Attend
 from tfcli.errors import TfcliError
-from tfcli.inspection.flops import module_flops
+from tfcli.inspection.ops import Op, OpObserver
 
 
 def shapes_of(value) -> list[list[int] | None]:
@@ -31,6 +33,7 @@ class Detail:
     label: str
     shape: list[int] | None
     note: str = ""
+    after: int | None = None  # order of the last module call begun before it (for the tree)
 
 
 @dataclass
@@ -43,7 +46,11 @@ class ShapeEvent:
     inputs: list[list[int] | None]
     outputs: list[list[int] | None] = field(default_factory=list)
     flops: int = 0  # forward, this call and everything inside it
+    attention_flops: int = 0  # of which the attention core (Q·Kᵀ, weights·V)
     details: list[Detail] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class ForwardFailed(TfcliError):
@@ -56,26 +63,64 @@ class ForwardFailed(TfcliError):
         self.events, self.last, self.error = events, last, error
 
 
-def _attention_details(args: tuple, outputs) -> list[Detail]:
-    q, k = args[0], args[1]
-    mask = args[3] if len(args) > 3 else None
-    scores = [*q.shape[:-1], k.size(-2)]  # [B, h, T, S]
-    out, weights = outputs
-    details = [Detail("scores Q·Kᵀ/√d_k", scores)]
-    if mask is not None:
-        details.append(Detail("mask", list(mask.shape), "broadcast onto the scores"))
-    details.append(Detail("weights softmax", list(weights.shape) if weights is not None
-                          else scores, "" if weights is not None else
-                          "fused kernel: not materialised"))
-    details.append(Detail("weights·V", list(out.shape)))
-    return details
+def _details(ops: list[Op]) -> list[Detail]:
+    """What happened inside one call, as the reader of the paper names it."""
+    out: list[Detail] = []
+    for op in ops:
+        start = len(out)
+        if op.kind == "scores":
+            out.append(Detail("scores Q·Kᵀ/√d_k", op.shape))
+        elif op.kind == "mask":
+            out.append(Detail("mask", op.shape, "broadcast onto the scores"))
+        elif op.kind == "softmax":
+            out.append(Detail("weights softmax", op.shape))
+        elif op.kind == "weights·V":
+            out.append(Detail("weights·V", op.shape))
+        elif op.kind == "sdpa":
+            x = op.extra
+            if x["k"][-3:-2] != x["q"][-3:-2]:
+                out.append(Detail("K, V heads", x["k"], "fewer key/value heads, each shared "
+                                                         "by a group of query heads"))
+            out.append(Detail("scores Q·Kᵀ/√d_k", op.shape))
+            if x["mask"] is not None:
+                out.append(Detail("mask", x["mask"], "broadcast onto the scores"))
+            elif x["is_causal"]:
+                out.append(Detail("mask", None, "is_causal=True: the kernel applies it"))
+            out.append(Detail("weights softmax", op.shape, "fused kernel: not materialised"))
+            out.append(Detail("weights·V", x["out"]))
+        for detail in out[start:]:
+            detail.after = op.extra.get("after")
+    return out
 
 
-def trace(model: nn.Module, inputs: dict, causal_half: bool = False) -> list[ShapeEvent]:
-    """Run ``model(**inputs)`` once and return one event per module call."""
+def _mha(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple[int, int, list]:
+    """nn.MultiheadAttention runs inside one torch function (no ops to observe): its FLOPs
+    and score shape from its own sizes. Returns (flops, attention flops, details)."""
+    query = args[0] if args else kwargs["query"]
+    key = args[1] if len(args) > 1 else kwargs.get("key", query)
+    seq_dim = 1 if module.batch_first or query.dim() == 2 else 0
+    batch = query.size(1 - seq_dim) if query.dim() == 3 else 1
+    t, s, e, h = query.size(seq_dim), key.size(seq_dim), module.embed_dim, module.num_heads
+    projections = 2 * batch * (t * e * e + s * e * (module.kdim + module.vdim) + t * e * e)
+    core = 4 * batch * t * s * e
+    scores = [batch, h, t, s]
+    return projections + core, core, [Detail("scores Q·Kᵀ/√d_k", scores),
+                                      Detail("weights softmax", scores),
+                                      Detail("weights·V", [batch, h, t, e // h])]
+
+
+def trace(model: nn.Module, inputs, causal_half: bool = False,
+          is_causal_scope: Callable[[str], bool] | None = None) -> list[ShapeEvent]:
+    """Run the model once on ``inputs`` (a dict of keyword arguments, or an ``Inputs``) and
+    return one event per module call. ``causal_half`` halves the attention FLOPs of calls
+    with ``is_causal=True`` and of attention inside modules ``is_causal_scope`` names."""
+    from tfcli.subjects.base import Inputs
+
+    call = inputs if isinstance(inputs, Inputs) else Inputs((), dict(inputs))
     containers = (nn.ModuleList, nn.ModuleDict)
     events: list[ShapeEvent] = []
-    stack: list[tuple[ShapeEvent, tuple]] = []  # calls under way, with their arguments
+    ops: dict[int, list[Op]] = {}  # event order -> the operations directly inside it
+    stack: list[ShapeEvent] = []  # calls under way
     depth_of: dict[str, int] = {}
     for path, _module in model.named_modules():
         parts = path.split(".") if path else []
@@ -84,20 +129,21 @@ def trace(model: nn.Module, inputs: dict, causal_half: bool = False) -> list[Sha
             for i in range(1, len(parts)))
 
     def pre(path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        event = ShapeEvent(len(events), path, type(module).__name__, depth_of[path],
-                           stack[-1][0].order if stack else None,
+        event = ShapeEvent(len(events), path, type(module).__name__, depth_of.get(path, 0),
+                           stack[-1].order if stack else None,
                            shapes_of(args) + shapes_of(kwargs))
-        event.flops = module_flops(module, args, causal_half and _is_causal(path))
+        if isinstance(module, nn.MultiheadAttention):
+            event.flops, event.attention_flops, event.details = _mha(module, args, kwargs)
         events.append(event)
-        stack.append((event, args))
+        stack.append(event)
 
     def post(path: str, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        event, call_args = stack.pop()
-        event.outputs = shapes_of(output)
-        if isinstance(module, Attend):
-            event.details = _attention_details(call_args, output)
+        stack.pop().outputs = shapes_of(output)
+
+    def on_op(op: Op) -> None:
         if stack:
-            stack[-1][0].flops += event.flops
+            op.extra["after"] = len(events) - 1
+            ops.setdefault(stack[-1].order, []).append(op)
 
     handles = []
     was_training = model.training
@@ -110,41 +156,74 @@ def trace(model: nn.Module, inputs: dict, causal_half: bool = False) -> list[Sha
             handles.append(module.register_forward_hook(
                 lambda m, a, kw, out, path=path: post(path, m, a, kw, out), with_kwargs=True))
         try:
-            model(**inputs)
+            with OpObserver(on_op):
+                call(model)
         except TfcliError:
             raise  # bad input the model itself explains
         except Exception as error:  # the model's own failure: say where it happened
-            raise ForwardFailed(events, stack[-1][0] if stack else None, error) from error
+            _settle(events, ops, causal_half, is_causal_scope)
+            raise ForwardFailed(events, stack[-1] if stack else None, error) from error
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
+    _settle(events, ops, causal_half, is_causal_scope)
     return events
 
 
-def _is_causal(path: str) -> bool:
-    """Decoder self-attention in tfcli's model is the causal one."""
-    return path.startswith("decoder.") and ".self_attn" in path
+def _settle(events: list[ShapeEvent], ops: dict[int, list[Op]], causal_half: bool,
+            is_causal_scope: Callable[[str], bool] | None) -> None:
+    """Details and FLOPs from the observed operations, summed up the call tree."""
+    for event in events:
+        mine = ops.get(event.order, [])
+        causal_scope = causal_half and is_causal_scope is not None and is_causal_scope(event.path)
+        for op in mine:
+            flops = op.flops
+            if op.attention and causal_half and (causal_scope or op.extra.get("is_causal")):
+                flops //= 2
+            event.flops += flops
+            event.attention_flops += flops if op.attention else 0
+        event.details += _details(mine)
+    for event in reversed(events):  # children come after their parent
+        if event.parent is not None:
+            parent = events[event.parent]
+            parent.flops += event.flops
+            parent.attention_flops += event.attention_flops
 
 
 # --- symbolic dimensions ---------------------------------------------------------------------
 
 
-def dimension_names(cfg, batch: int, src_len: int, tgt_len: int) -> dict[str, int]:
-    """The paper's names for the sizes in play: B, S, T, h, d_k, d_model, d_ff, V."""
-    names = {"B": batch}
-    if cfg.has_encoder:
-        names["S"] = src_len
-    if cfg.has_decoder:
-        names["T"] = tgt_len
-    names.update(h=cfg.n_heads, d_k=cfg.d_k, d_model=cfg.d_model, d_ff=cfg.d_ff)
-    if cfg.embed_dim != cfg.d_model:
-        names["d_embed"] = cfg.embed_dim
-    vocab = {"V_src": cfg.src_vocab_size, "V_tgt": cfg.tgt_vocab_size}
-    vocab = {k: v for k, v in vocab.items() if v}
-    if len(set(vocab.values())) == 1:  # one shared vocabulary: just V
-        vocab = {"V": next(iter(vocab.values()))}
-    names.update(vocab)
+def infer_dims(model: nn.Module, events: list[ShapeEvent]) -> dict[str, int]:
+    """Names for a model tfcli did not build, from what it is made of and what it did:
+    d_model and V from its token embedding, h, h_kv and d_k from its attention calls, d_ff
+    from the widest linear layer fed by d_model."""
+    names: dict[str, int] = {}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if embeddings:
+        token = max(embeddings, key=lambda m: m.num_embeddings)
+        names["d_model"] = token.embedding_dim
+    elif linears:
+        names["d_model"] = linears[0].in_features
+    for event in events:
+        for d in event.details:
+            if d.label.startswith("scores") and d.shape and len(d.shape) == 4:
+                names.setdefault("h", d.shape[1])
+            if d.label == "K, V heads" and d.shape and len(d.shape) == 4:
+                names.setdefault("h_kv", d.shape[1])
+                names.setdefault("d_k", d.shape[3])
+            if d.label == "weights·V" and d.shape and len(d.shape) == 4:
+                names.setdefault("d_k", d.shape[3])
+    if "d_model" in names:
+        wide = [m.out_features for m in linears if m.in_features == names["d_model"]
+                and m.out_features > names["d_model"]]
+        vocab = max((m.num_embeddings for m in embeddings), default=None)
+        wide = [w for w in wide if w != vocab]
+        if wide:
+            names["d_ff"] = max(set(wide), key=wide.count)
+    if embeddings:
+        names["V"] = max(m.num_embeddings for m in embeddings)
     return names
 
 

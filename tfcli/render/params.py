@@ -59,7 +59,7 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
     kids = _children(report.layers)
     out: list[DisplayRow] = []
 
-    def emit(row: LayerRow, shown_path: str, repeat: int) -> None:
+    def emit(row: LayerRow, shown_path: str, repeat: int, in_container: bool = False) -> None:
         if row.container:
             children = kids.get(row.path, [])
             i = 0
@@ -70,7 +70,7 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
                     j += 1
                 first, last = (c.path.rpartition(".")[2] for c in (children[i], children[j - 1]))
                 label = first if j - i == 1 else f"{first}-{last}"
-                emit(children[i], f"{shown_path}.{label}", repeat * (j - i))
+                emit(children[i], f"{shown_path}.{label}", repeat * (j - i), True)
                 i = j
             return
         if row.depth > depth:
@@ -86,8 +86,8 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
                                    for k, v in row.shape.items())
             times = f" ×{repeat}" if repeat > 1 else ""
             name = shown_path.rpartition(".")[2]
-            if shown_path.count(".") and shown_path.rpartition(".")[0].endswith(".layers"):
-                name = "layers." + name
+            if in_container:  # "layers.0-5": the list's name, then the collapsed indices
+                name = shown_path.rpartition(".")[0].rpartition(".")[2] + "." + name
             out.append(DisplayRow(shown_path, name, row.depth, row.type + times,
                                   row.params * repeat, shapes, row.trainable, row.shared_with,
                                   (row.params if folded else row.own_params) * repeat))

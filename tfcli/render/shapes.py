@@ -57,12 +57,19 @@ def build_tree(events: list[ShapeEvent], names: dict[str, int], depth: int, expa
         if e.type in HIDDEN or e.depth > depth:
             return
         node = parent.add(_label(e, names, shown, repeat, backward))
-        for d in e.details:
-            node.add(Text(f"{d.label} {symbolic(d.shape, names)}" + (f"  ({d.note})" if d.note
-                                                                   else ""), style="dim"))
+        details = list(e.details)  # each goes in before the first child call begun after it
+
+        def add_details(before: int | None) -> None:
+            while details and (before is None or details[0].after is None
+                               or details[0].after < before):
+                d = details.pop(0)
+                node.add(Text(f"{d.label} {symbolic(d.shape, names)}" + (
+                    f"  ({d.note})" if d.note else ""), style="dim"))
+
         children = kids.get(e.order, [])
         i = 0
         while i < len(children):
+            add_details(children[i].order)
             j = i + 1
             while (not expand and j < len(children)
                    and _signature(children[j], kids) == _signature(children[i], kids)
@@ -72,10 +79,12 @@ def build_tree(events: list[ShapeEvent], names: dict[str, int], depth: int, expa
             first = children[i].path.rpartition(".")[2]
             last = children[j - 1].path.rpartition(".")[2]
             name = first if j - i == 1 else f"{first}-{last}"
-            if children[i].path.rpartition(".")[0].endswith("layers"):
-                name = f"layers.{name}"
+            holder = children[i].path.rpartition(".")[0]
+            if holder != e.path:  # a ModuleList between them: "layers.0-5"
+                name = f"{holder[len(e.path) + 1 if e.path else 0:]}.{name}"
             add(node, children[i], name, repeat * (j - i))
             i = j
+        add_details(None)
 
     for top in kids.get(None, []):
         add(root, top, "", 1)

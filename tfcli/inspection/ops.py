@@ -1,0 +1,243 @@
+"""See the operations inside any model's forward, in code tfcli did not write.
+
+A torch-function mode observes every call that makes or consumes attention — the matrix
+products (``F.linear``, ``@``/``matmul``, ``bmm``, ``addmm``, ``einsum``), ``softmax``, the
+masking (``masked_fill``, ``where``, an added mask) and ``F.scaled_dot_product_attention`` —
+whether the model is tfcli's, a tutorial's or Hugging Face's. Each observation carries its
+FLOPs (2 × multiply-accumulates) and, for attention, the score shape ``[B, h, T, S]``.
+
+The attention pattern is recognised by data flow, not by names: a product of two activations
+whose output a softmax then takes is the score matrix Q·Kᵀ; what was added to it or filled
+into it before the softmax is the mask; the next product that consumes the softmax output is
+weights·V. SDPA is recognised by itself (its weights are never materialised).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+_MATMULS = {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm,
+            Tensor.bmm, torch.mm, Tensor.mm}
+_ADDMMS = {torch.addmm, Tensor.addmm, torch.baddbmm, Tensor.baddbmm}
+_SOFTMAX = {torch.softmax, Tensor.softmax, F.softmax, torch._softmax, torch.log_softmax,
+            F.log_softmax, Tensor.log_softmax}
+_FILLS = {Tensor.masked_fill, Tensor.masked_fill_, torch.masked_fill}
+_ADDS = {Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, torch.add, Tensor.add, Tensor.add_}
+
+
+def matmul_flops(a_shape, b_shape) -> int:
+    """2 × MACs of a (batched, broadcast) product [..., n, k] @ [..., k, m]."""
+    a, b = list(a_shape), list(b_shape)
+    if len(a) == 1:
+        a = [1, *a]
+    if len(b) == 1:
+        b = [*b, 1]
+    n, k, m = a[-2], a[-1], b[-1]
+    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])) if len(a) > 2 or len(b) > 2 \
+        else ()
+    return 2 * math.prod(batch) * n * k * m
+
+
+def sdpa_flops(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Q·Kᵀ and weights·V: 2·B·h·T·S·d_k + 2·B·h·T·S·d_v, h the query heads (GQA too)."""
+    *batch, t, d_k = q.shape
+    s, d_v = k.size(-2), v.size(-1)
+    return 2 * math.prod(batch) * t * s * (d_k + d_v)
+
+
+@dataclass
+class Op:
+    """One observed operation."""
+    kind: str  # "linear", "matmul", "scores", "softmax", "mask", "weights·V", "sdpa"
+    shape: list[int] | None  # output shape (the scores' for "scores" and "sdpa")
+    flops: int = 0
+    attention: bool = False  # part of an attention core (scores, weights·V, SDPA)
+    note: str = ""
+    # for mask checks (kept only when ``keep_values``): what the masking blocked, the weights
+    blocked: Tensor | None = None
+    weights: Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _is_activation(t) -> bool:
+    return isinstance(t, Tensor) and not isinstance(t, nn.Parameter)
+
+
+def _blocked_from_additive(mask: Tensor) -> Tensor:
+    # -inf, or a "large negative" such as -1e9 or torch.finfo(dtype).min, blocks a key.
+    return mask <= -1e4 if mask.is_floating_point() else ~mask.bool()
+
+
+class _ByTensor:
+    """A dict keyed by tensor identity that neither keeps tensors alive (that would change the
+    memory being measured) nor confuses a new tensor with a freed one that had the same id."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, object]] = {}
+
+    def __setitem__(self, t: Tensor, value) -> None:
+        if len(self._items) > 4096:  # forget the dead
+            self._items = {k: v for k, v in self._items.items() if v[0]() is not None}
+        self._items[id(t)] = (weakref.ref(t), value)
+
+    def get(self, t, default=None):
+        item = self._items.get(id(t)) if isinstance(t, Tensor) else None
+        return item[1] if item is not None and item[0]() is t else default
+
+    def __contains__(self, t) -> bool:
+        item = self._items.get(id(t)) if isinstance(t, Tensor) else None
+        return item is not None and item[0]() is t
+
+    def pop(self, t, default=None):
+        value = self.get(t, default)
+        self._items.pop(id(t), None)
+        return value
+
+
+class OpObserver(TorchFunctionMode):
+    """Calls ``on_op(op)`` for each observed operation. With ``keep_values`` (real tensors
+    only) it also keeps, per softmax or SDPA call, the weights and the blocked positions."""
+
+    def __init__(self, on_op: Callable[[Op], None], keep_values: bool = False) -> None:
+        super().__init__()
+        self.on_op = on_op
+        self.keep_values = keep_values
+        self._scores = _ByTensor()  # tensor -> (scores op, what its masking blocked so far)
+        self._weights = _ByTensor()  # softmax outputs, and what merely moved or masked them
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self._observe(func, args, kwargs, out)
+        except Exception:  # observing must never break the model's own forward
+            pass
+        return out
+
+    def _emit(self, op: Op) -> None:
+        self.on_op(op)
+
+    def _observe(self, func, args, kwargs, out) -> None:
+        if func is F.linear:
+            x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+            rows = x.numel() // w.shape[-1] if w.dim() == 2 else x.numel()
+            self._emit(Op("linear", list(out.shape), 2 * rows * w.numel()))
+        elif func in _MATMULS or func in _ADDMMS:
+            a, b = (args[1], args[2]) if func in _ADDMMS else (args[0], args[1])
+            if func is Tensor.__rmatmul__:
+                a, b = b, a
+            flops = matmul_flops(a.shape, b.shape)
+            if not (_is_activation(a) and _is_activation(b)):
+                self._emit(Op("linear", list(out.shape), flops))  # a weight: a projection
+            elif a in self._weights:  # softmax output (or its dropout) @ V
+                self._emit(Op("weights·V", list(out.shape), flops, attention=True))
+            else:  # a product of two activations: scores if a softmax takes it next
+                op = Op("matmul", list(out.shape), flops, attention=False)
+                self._scores[out] = (op, None)
+                self._emit(op)
+        elif func is torch.einsum:
+            operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) \
+                else args[1]
+            self._emit(Op("matmul", list(out.shape), _einsum_flops(args[0], operands)))
+        elif func is F.scaled_dot_product_attention:
+            self._sdpa(args, kwargs, out)
+        elif func in _FILLS and args[0] in self._scores:
+            mask = args[1]
+            self._carry(args[0], out, mask if self.keep_values else None, "filled")
+            self._emit(Op("mask", list(mask.shape), note="filled into the scores"))
+        elif func is torch.where and len(args) == 3 and args[1] in self._scores:
+            self._carry(args[1], out, ~args[0].bool() if self.keep_values else None, "where")
+            self._emit(Op("mask", list(args[0].shape), note="selects the scores"))
+        elif func in _ADDS and len(args) >= 2:
+            a, b = args[0], args[1]
+            if a in self._scores:
+                src, mask = a, b
+            elif b in self._scores:
+                src, mask = b, a
+            else:
+                return
+            if isinstance(mask, Tensor) and mask.dim() >= 2:
+                blocked = _blocked_from_additive(mask) if self.keep_values else None
+                self._carry(src, out, blocked, "added")
+                self._emit(Op("mask", list(mask.shape), note="added to the scores"))
+            else:
+                self._carry(src, out, None, "")
+        elif func in _SOFTMAX and args[0] in self._scores:
+            scores, blocked = self._scores.pop(args[0])
+            if scores.kind == "matmul":
+                scores.kind, scores.attention = "scores", True
+                self._weights[out] = True
+                op = Op("softmax", list(out.shape), note="weights")
+                if self.keep_values:
+                    op.weights, op.blocked = out.detach(), blocked
+                self._emit(op)
+        elif (func in _FILLS or func in (F.dropout, Tensor.to, Tensor.type, Tensor.float,
+                                         Tensor.contiguous)) and args[0] in self._weights:
+            self._weights[out] = True
+        elif func in (Tensor.__truediv__, Tensor.__mul__, Tensor.div, Tensor.mul, torch.div,
+                      torch.mul, Tensor.to, Tensor.float, Tensor.type, Tensor.contiguous,
+                      Tensor.view, Tensor.reshape) \
+                and args[0] in self._scores:
+            self._carry(args[0], out, None, "")  # scaling or reshaping the scores
+
+    def _carry(self, src: Tensor, out, blocked: Tensor | None, how: str) -> None:
+        """``out`` is still the scores ``src`` (scaled, masked, reshaped)."""
+        if not isinstance(out, Tensor):
+            return
+        op, mask = self._scores.get(src)
+        if blocked is not None:
+            mask = blocked if mask is None else (mask | blocked)
+        self._scores[out] = (op, mask)
+
+    def _sdpa(self, args, kwargs, out) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask, causal = bound.get("attn_mask"), bool(bound.get("is_causal", False))
+        scores = [*q.shape[:-1], k.size(-2)]
+        op = Op("sdpa", scores, sdpa_flops(q, k, v), attention=True,
+                extra={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
+                       "mask": list(mask.shape) if isinstance(mask, Tensor) else None,
+                       "is_causal": causal, "out": list(out.shape)})
+        if self.keep_values and (isinstance(mask, Tensor) or causal):
+            op.weights, op.blocked = _sdpa_weights(q, k, mask, causal, bound.get("scale"))
+        self._emit(op)
+
+
+def _sdpa_weights(q: Tensor, k: Tensor, mask, causal: bool, scale) -> tuple[Tensor, Tensor]:
+    """The weights SDPA computed without storing them, recomputed for the mask check."""
+    with torch.no_grad():
+        if k.size(-3) != q.size(-3):  # grouped-query attention: each K/V head serves a group
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+        scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # [B, h, T, S]
+        t, s = scores.shape[-2:]
+        blocked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        if causal:
+            blocked = blocked | ~torch.ones(t, s, dtype=torch.bool, device=scores.device).tril()
+        if isinstance(mask, Tensor):
+            blocked = blocked | (~mask if mask.dtype == torch.bool else _blocked_from_additive(mask))
+        weights = scores.masked_fill(blocked, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return weights, blocked
+
+
+def _einsum_flops(equation: str, operands) -> int:
+    """2 × the product of every index size, for a two-operand contraction (else 0)."""
+    operands = list(operands)
+    if len(operands) != 2 or "..." in equation:
+        return 0
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for letters, t in zip(inputs, operands):
+        for letter, n in zip(letters, t.shape):
+            sizes[letter] = n
+    return 2 * math.prod(sizes.values())

@@ -1,0 +1,226 @@
+"""A Subject: everything an inspection needs to know about one model, whoever wrote it.
+
+How to build it (meta, fake or a real device), how to make its inputs for given dimension
+sizes, the names of its dimensions, which lengths a sweep may vary, and the loss a training
+step would use. tfcli's own Transformer, a user's ``nn.Module`` and a Hugging Face
+configuration are the three kinds; inspection code sees only this interface.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tfcli.errors import InputError, TfcliError
+
+# What the letters mean wherever a shape is printed.
+LEGEND = {"B": "batch", "S": "source length", "T": "target length", "L": "sequence length",
+          "h": "query heads", "h_kv": "key/value heads", "d_k": "head dimension",
+          "d_model": "model width", "d_ff": "FFN hidden width", "V": "vocabulary"}
+LENGTH_LETTERS = ("S", "T", "L")
+
+DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int64,
+          "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float64": torch.float64, "bool": torch.bool}
+
+
+@dataclass
+class Inputs:
+    """Positional and keyword arguments of one forward call."""
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, model: nn.Module):
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, Tensor)]
+
+    def to(self, device: str | torch.device) -> Inputs:
+        move = lambda t: t.to(device) if isinstance(t, Tensor) else t  # noqa: E731
+        return Inputs(tree_map(move, self.args), tree_map(move, self.kwargs))
+
+    def named(self, model: nn.Module) -> dict[str, Any]:
+        """Every argument by the name ``forward`` gives it (positional ones bound by signature)."""
+        try:
+            bound = inspect.signature(model.forward).bind_partial(*self.args, **self.kwargs)
+            return dict(bound.arguments)
+        except (TypeError, ValueError):
+            return {**{f"arg{i}": a for i, a in enumerate(self.args)}, **self.kwargs}
+
+    def replace(self, model: nn.Module, name: str, value: Any) -> Inputs:
+        """The same call with argument ``name`` (as ``forward`` names it) replaced."""
+        if name in self.kwargs:
+            return Inputs(self.args, {**self.kwargs, name: value})
+        params = list(inspect.signature(model.forward).parameters)
+        index = params.index(name)
+        args = list(self.args)
+        args[index] = value
+        return Inputs(tuple(args), self.kwargs)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One ``--input NAME=DTYPE[DIMS]<HIGH``: a tensor made for the model."""
+    name: str
+    dtype: str
+    dims: tuple[str | int, ...]
+    high: int | None = None  # integer inputs: ids drawn in [0, high)
+
+    def shape(self, sizes: dict[str, int]) -> list[int]:
+        missing = [d for d in self.dims if isinstance(d, str) and d not in sizes]
+        if missing:
+            raise TfcliError(f"--input {self.name}: no size for {', '.join(missing)}; bind it "
+                             f"with --dim {missing[0]}=SIZE")
+        return [sizes[d] if isinstance(d, str) else d for d in self.dims]
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([A-Za-z0-9]+)\s*\[([^\]]*)\]\s*(?:<\s*(\d+))?\s*$")
+
+
+def parse_input(text: str) -> InputSpec:
+    match = _SPEC.match(text)
+    example = "e.g. --input src=int64[B,S] or --input x=float32[B,L,512] or ids=int64[B,T]<1000"
+    if not match:
+        raise TfcliError(f"--input {text!r}: expected NAME=DTYPE[DIMS], {example}")
+    name, dtype, dims_text, high = match.groups()
+    if dtype not in DTYPES:
+        raise TfcliError(f"--input {text!r}: dtype {dtype!r} is not one of "
+                         f"{', '.join(sorted(set(DTYPES)))}")
+    dims: list[str | int] = []
+    for part in (p.strip() for p in dims_text.split(",")):
+        if part.isdigit() and int(part) > 0:
+            dims.append(int(part))
+        elif re.fullmatch(r"[A-Za-z_]\w*", part or "-"):
+            dims.append(part)
+        else:
+            raise TfcliError(f"--input {text!r}: each dimension is a letter bound by --dim "
+                             f"(B, S, T, L, ...) or a positive integer, got {part!r}")
+    if high is not None and (DTYPES[dtype].is_floating_point or DTYPES[dtype] == torch.bool
+                             or int(high) < 1):
+        raise TfcliError(f"--input {text!r}: '<N' bounds integer token ids and needs N >= 1")
+    return InputSpec(name, dtype, tuple(dims), int(high) if high else None)
+
+
+def parse_dim(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name.strip()) or not value.strip().isdigit() \
+            or not 0 < int(value) <= 2**40:
+        raise TfcliError(f"--dim {text!r}: expected NAME=SIZE with a positive size, e.g. --dim S=128")
+    return name.strip(), int(value)
+
+
+def make_tensors(specs: list[InputSpec], sizes: dict[str, int], device: str | torch.device,
+                 default_high: int, seed: int = 0) -> dict[str, Tensor]:
+    """Tensors for ``specs``: ids below ``high`` (or ``default_high``), bools all True, floats
+    normal. On meta nothing is drawn, so no size costs memory."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for spec in specs:
+        shape, dtype = spec.shape(sizes), DTYPES[spec.dtype]
+        if str(device) == "meta":
+            out[spec.name] = torch.empty(shape, dtype=dtype, device="meta")
+        elif dtype == torch.bool:
+            out[spec.name] = torch.ones(shape, dtype=dtype, device=device)
+        elif dtype.is_floating_point:
+            out[spec.name] = torch.randn(shape, generator=g).to(device, dtype)
+        else:
+            high = spec.high or default_high
+            out[spec.name] = torch.randint(0, high, shape, generator=g).to(device, dtype)
+    return out
+
+
+def signature_text(model: nn.Module) -> str:
+    try:
+        return f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
+    except (TypeError, ValueError):
+        return f"{type(model).__name__}.forward(...)"
+
+
+def check_inputs_fit(model: nn.Module, names: list[str]) -> None:
+    """Every input name must be a parameter of ``forward`` (unless it takes **kwargs)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for name in names:
+        if name not in params:
+            raise InputError(f"--input {name}: {type(model).__name__}.forward has no parameter "
+                             f"{name!r}; it is {signature_text(model)}")
+
+
+def primary_output(output) -> Tensor:
+    """The tensor a loss or a comparison uses: the output itself, ``.logits``, or the first
+    floating tensor in whatever structure the model returned."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    for leaf in tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())[0]:
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            return leaf
+    raise TfcliError(f"the model returned {type(output).__name__}, which holds no floating "
+                     f"tensor to inspect")
+
+
+def default_loss(output) -> Tensor:
+    """Mean square of the primary output: a stand-in loss whose backward reaches every layer."""
+    return primary_output(output).float().square().mean()
+
+
+class Subject:
+    """One model to inspect. Subclasses fill in build and make_inputs; the rest has defaults."""
+
+    kind = "module"  # "tfcli", "module" or "hf"
+    label = "model"
+    kernels: tuple[str, ...] = ("model",)  # attention implementations bench may compare
+    default_sizes: dict[str, int] = {"B": 2, "S": 9, "T": 7, "L": 9}
+
+    def build(self, device: str | torch.device = "meta", dtype: torch.dtype | None = None,
+              kernel: str | None = None) -> nn.Module:
+        raise NotImplementedError
+
+    def make_inputs(self, model: nn.Module, sizes: dict[str, int],
+                    device: str | torch.device = "meta", seed: int = 0) -> Inputs:
+        raise NotImplementedError
+
+    def length_dims(self) -> list[str]:
+        """The length letters the inputs use (what bench sweeps)."""
+        return []
+
+    def dims_used(self) -> list[str]:
+        """The letters of B, S, T, L the inputs use, for the legend."""
+        return ["B", *self.length_dims()]
+
+    def loss(self, output) -> Tensor:
+        return default_loss(output)
+
+    def loss_name(self) -> str:
+        return "mean-square loss on the output"
+
+    def model_dims(self, model: nn.Module) -> dict[str, int]:
+        """Sizes the model itself defines (d_model, h, d_k, d_ff, V), where known up front."""
+        return {}
+
+    def is_causal_scope(self, path: str) -> bool:
+        """Whether attention inside module ``path`` is causal (for --causal-flops)."""
+        return False
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "label": self.label}
+
+
+def embedding_limit(model: nn.Module) -> int:
+    """Token ids must stay below the smallest embedding table (2 when there is none)."""
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return min(sizes) if sizes else 2

@@ -1,0 +1,167 @@
+"""A Hugging Face configuration as a Subject: ``--model hf:PATH`` (a ``config.json`` or a
+directory holding one).
+
+The Transformers model class for that configuration is built from the configuration alone:
+random initialisation, nothing downloaded (``local_files_only``), ``trust_remote_code`` never.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tfcli.errors import TfcliError
+from tfcli.subjects.base import Inputs, Subject, make_tensors, InputSpec, check_inputs_fit
+
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absurd before reading
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise TfcliError("--model hf:...: needs Transformers: pip install 'tfcli[hf]'") from None
+    transformers.logging.set_verbosity_error()  # its advice on configs is not tfcli's output
+    return transformers
+
+
+def _config_path(path_text: str) -> Path:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise TfcliError(f"--model hf:{path_text}: no such file {str(path)!r} (give a "
+                         f"config.json or a directory holding one)")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise TfcliError(f"--model hf:{path_text}: {path.stat().st_size:,} bytes is not a "
+                         f"config.json (at most {MAX_CONFIG_BYTES:,})")
+    return path
+
+
+class HFSubject(Subject):
+    kind = "hf"
+
+    def __init__(self, path_text: str, class_name: str | None = None,
+                 input_specs: list[InputSpec] | None = None) -> None:
+        tf = _transformers()
+        path = _config_path(path_text)
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            raise TfcliError(f"--model hf:{path_text}: not valid JSON: {error}") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise TfcliError(f"--model hf:{path_text}: a Transformers config.json names its "
+                             f"'model_type' (e.g. \"gpt2\", \"llama\")")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.config = tf.AutoConfig.for_model(**data)
+        except Exception as error:
+            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
+                             f"{type(error).__name__}: {text}") from None
+        self.config._attn_implementation = "sdpa"
+        self.model_class = self._choose_class(tf, class_name, path_text)
+        self.label = f"hf:{path_text} ({self.model_class.__name__})"
+        self.input_specs = input_specs or []
+        self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
+
+    def _choose_class(self, tf, class_name: str | None, path_text: str):
+        names = [class_name] if class_name else list(getattr(self.config, "architectures", None)
+                                                     or [])
+        for name in names:
+            cls = getattr(tf, name, None)
+            if isinstance(cls, type) and issubclass(cls, nn.Module):
+                return cls
+            if class_name:
+                raise TfcliError(f"--hf-class {class_name!r}: Transformers has no model class "
+                                 f"of that name (e.g. LlamaForCausalLM, GPT2LMHeadModel)")
+        for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+            mapping = getattr(tf, auto)._model_mapping
+            try:
+                return mapping[type(self.config)]
+            except KeyError:
+                continue
+        raise TfcliError(f"--model hf:{path_text}: no Transformers model class for model_type "
+                         f"{self.config.model_type!r}; name one with --hf-class")
+
+    def build(self, device="meta", dtype=None, kernel=None, attn: str = "sdpa") -> nn.Module:
+        self.config._attn_implementation = attn
+        previous = torch.get_default_dtype()
+        try:
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            with torch.device(device), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = self.model_class(self.config)
+        except Exception as error:
+            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise TfcliError(f"--model {self.label}: building it raised {type(error).__name__}: "
+                             f"{text}") from None
+        finally:
+            torch.set_default_dtype(previous)
+        return model
+
+    def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
+        if self.input_specs:
+            check_inputs_fit(model, [s.name for s in self.input_specs])
+            return Inputs((), make_tensors(self.input_specs, sizes, device, self.vocab, seed))
+        if self.encoder_decoder:
+            specs = [InputSpec("input_ids", "int64", ("B", "S")),
+                     InputSpec("attention_mask", "int64", ("B", "S"), 2),
+                     InputSpec("decoder_input_ids", "int64", ("B", "T"))]
+        else:
+            specs = [InputSpec("input_ids", "int64", ("B", "L")),
+                     InputSpec("attention_mask", "int64", ("B", "L"), 2)]
+        tensors = make_tensors(specs, sizes, device, self.vocab, seed)
+        if str(device) != "meta":  # attend to every token unless a check pads some
+            for key in ("attention_mask",):
+                tensors[key] = torch.ones_like(tensors[key])
+        accepts = set(inspect.signature(model.forward).parameters)
+        kwargs = {k: v for k, v in tensors.items() if k in accepts or k == "input_ids"}
+        if "use_cache" in accepts:
+            kwargs["use_cache"] = False  # a cache is inference state, not part of one pass
+        return Inputs((), kwargs)
+
+    @property
+    def vocab(self) -> int:
+        return int(getattr(self.config, "vocab_size", 0) or 2)
+
+    def length_dims(self) -> list[str]:
+        if self.input_specs:
+            letters = [d for s in self.input_specs for d in s.dims if d in ("S", "T", "L")]
+            return list(dict.fromkeys(letters))
+        return ["S", "T"] if self.encoder_decoder else ["L"]
+
+    def model_dims(self, model=None) -> dict[str, int]:
+        c = self.config
+        names: dict[str, int] = {}
+
+        def first(*attrs):
+            for a in attrs:
+                value = getattr(c, a, None)
+                if isinstance(value, int) and value > 0:
+                    return value
+            return None
+
+        d_model = first("hidden_size", "n_embd", "d_model")
+        heads = first("num_attention_heads", "n_head", "encoder_attention_heads")
+        kv = first("num_key_value_heads")
+        d_ff = first("intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "ffn_dim")
+        if d_ff is None and getattr(c, "model_type", "") == "gpt2" and d_model:
+            d_ff = 4 * d_model  # GPT-2's n_inner=None means 4 × n_embd
+        head_dim = first("head_dim", "d_kv") or (d_model // heads if d_model and heads else None)
+        for key, value in (("h", heads), ("h_kv", kv if kv != heads else None), ("d_k", head_dim),
+                           ("d_model", d_model), ("d_ff", d_ff), ("V", first("vocab_size"))):
+            if value:
+                names[key] = value
+        return names
+
+    def describe(self) -> dict:
+        return {**super().describe(), "class": self.model_class.__name__,
+                "model_type": self.config.model_type}

@@ -1,0 +1,188 @@
+"""The user's own ``nn.Module`` as a Subject: ``--model FILE.py:NAME`` or ``package.module:NAME``.
+
+NAME is an ``nn.Module`` subclass or a callable returning a module, or ``(module, inputs)``
+with inputs a dict of keyword arguments or a tuple of positional ones. Importing the file runs
+the user's code — that is the explicit opt-in; nothing else is imported or executed, values of
+``--model-arg`` are Python literals read with ``ast.literal_eval`` and no pickle is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tfcli.errors import TfcliError
+from tfcli.subjects.base import (InputSpec, Inputs, Subject, check_inputs_fit, embedding_limit,
+                                 make_tensors, signature_text)
+
+
+def parse_model_args(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is a Python literal if it reads as one, else a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise TfcliError(f"--model-arg {item!r}: expected KEY=VALUE with KEY a Python "
+                             f"identifier, e.g. --model-arg d_model=256")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            out[key.strip()] = value
+    return out
+
+
+def _where(error: BaseException, near: str | None = None) -> str:
+    """file:line of the frame that raised, preferring frames in the user's file."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if near:
+        mine = [f for f in frames if Path(f.filename).resolve() == Path(near).resolve()]
+        frames = mine or frames
+    if not frames:
+        return ""
+    return f" ({frames[-1].filename}:{frames[-1].lineno})"
+
+
+def _error_text(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def import_object(ref: str):
+    """Resolve ``file.py:NAME`` or ``package.module:NAME`` (NAME may be dotted)."""
+    module_part, sep, attr = ref.rpartition(":")
+    if not sep or not module_part or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
+        raise TfcliError(f"--model {ref!r}: expected FILE.py:NAME or package.module:NAME, "
+                         f"e.g. --model my_model.py:build")
+    path = None
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise TfcliError(f"--model {ref!r}: no such file {module_part!r}")
+        name = f"tfcli_user_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise TfcliError(f"--model {ref!r}: {module_part!r} cannot be imported as Python")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            sys.modules.pop(name, None)
+            raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
+                             f"{_error_text(error)}{_where(error, str(path))}") from None
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as error:
+            raise TfcliError(f"--model {ref!r}: no module named {error.name!r}") from None
+        except Exception as error:
+            raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
+                             f"{_error_text(error)}{_where(error)}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            found = sorted(n for n, v in vars(module).items() if not n.startswith("_") and (
+                (isinstance(v, type) and issubclass(v, nn.Module)) or
+                (callable(v) and getattr(v, "__module__", None) == module.__name__)))
+            hint = f"; it defines {', '.join(found[:8])}" if found else ""
+            raise TfcliError(f"--model {ref!r}: {module_part} has no {attr!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TfcliError(f"--model {ref!r}: {attr} is a {type(obj).__name__}, not an nn.Module "
+                         f"subclass or a callable returning one")
+    return obj, (str(path) if path else None)
+
+
+class UserSubject(Subject):
+    kind = "module"
+
+    def __init__(self, ref: str, model_args: dict[str, Any] | None = None,
+                 input_specs: list[InputSpec] | None = None) -> None:
+        self.ref = ref
+        self.label = ref
+        self.model_args = model_args or {}
+        self.input_specs = input_specs or []
+        self._factory, self._file = import_object(ref)
+        self._given: Inputs | None = None  # inputs the factory returned with the model
+
+    def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
+        previous = torch.get_default_dtype()
+        try:
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            with torch.device(device), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's advice to the model's author
+                result = self._factory(**self.model_args)
+        except TfcliError:
+            raise
+        except Exception as error:
+            on = " on the meta device" if str(device) == "meta" else ""
+            hint = "; build it for real with --device cpu" if on else ""
+            raise TfcliError(f"--model {self.ref}: calling it{on} raised {_error_text(error)}"
+                             f"{_where(error, self._file)}{hint}") from None
+        finally:
+            torch.set_default_dtype(previous)
+        model, given = result, None
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+            model, given = result
+            if isinstance(given, dict):
+                given = Inputs((), dict(given))
+            elif isinstance(given, (tuple, list)):
+                given = Inputs(tuple(given), {})
+            else:
+                raise TfcliError(f"--model {self.ref}: the example inputs it returned are a "
+                                 f"{type(given).__name__}; return a dict of keyword arguments "
+                                 f"or a tuple of positional ones")
+        if not isinstance(model, nn.Module):
+            raise TfcliError(f"--model {self.ref}: it returned a {type(result).__name__}, not an "
+                             f"nn.Module or (module, example_inputs)")
+        if str(device) != "meta":
+            _materialise(model, device)
+        self._given = given
+        return model
+
+    def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
+        if self.input_specs:
+            check_inputs_fit(model, [s.name for s in self.input_specs])
+            return Inputs((), make_tensors(self.input_specs, sizes, device,
+                                           embedding_limit(model), seed))
+        if self._given is not None:
+            return self._given.to(device)
+        raise TfcliError(f"--model {self.ref}: say what to feed it with --input NAME=DTYPE[DIMS] "
+                         f"(e.g. --input src=int64[B,S]); it is {signature_text(model)}")
+
+    def length_dims(self) -> list[str]:
+        letters = [d for s in self.input_specs for d in s.dims if d in ("S", "T", "L")]
+        return list(dict.fromkeys(letters))
+
+    def dims_used(self) -> list[str]:
+        letters = [d for s in self.input_specs for d in s.dims if isinstance(d, str)]
+        return list(dict.fromkeys(letters))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "model_args": {k: repr(v) for k, v in
+                                                     self.model_args.items()},
+                "inputs": [f"{s.name}={s.dtype}[{','.join(map(str, s.dims))}]"
+                           for s in self.input_specs]}
+
+
+def _materialise(model: nn.Module, device) -> None:
+    """Parameters a factory created on meta itself get real storage and their module's own
+    initialisation, so the model can run."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
