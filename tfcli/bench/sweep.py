@@ -223,10 +223,12 @@ class Sweep:
         if key not in self._flops:
             from tfcli.inspection.shapes import trace
 
-            model = self.subject.build("meta")
-            inputs = self.subject.make_inputs(model, sizes, "meta")
-            events = trace(model, inputs, causal_half=True,
-                           is_causal_scope=self.subject.is_causal_scope)
+            device, abstract = self.subject.abstract_run("meta")
+            with abstract:
+                model = self.subject.build(device)
+                inputs = self.subject.make_inputs(model, sizes, device)
+                events = trace(model, inputs, causal_half=True,
+                               is_causal_scope=self.subject.is_causal_scope)
             self._flops[key] = (events[0].flops, events[0].attention_flops)
         return self._flops[key]
 

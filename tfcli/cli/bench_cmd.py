@@ -114,8 +114,10 @@ def bench(
     elif tgt_len is not None:
         raise TfcliError("--tgt-len applies to --what model")
     if what == "model" and cfg is None:
-        probe = subject.build("meta")
-        subject.make_inputs(probe, {**subject.default_sizes, "B": 1}, "meta")  # inputs known?
+        probe_device, abstract = subject.abstract_run("meta")
+        with abstract:  # are the inputs known? (one line now, not a failed cell per length)
+            subject.make_inputs(subject.build(probe_device), {**subject.default_sizes, "B": 1},
+                                probe_device)
         if not subject.length_dims():
             raise TfcliError("--what model sweeps the length letters S, T or L of the inputs; "
                              "describe them with --input NAME=DTYPE[B,L] (for example)")

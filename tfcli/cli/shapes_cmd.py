@@ -56,12 +56,6 @@ def shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
-    from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
-    from tfcli.inspection.shapes import ForwardFailed, ambiguous, infer_dims, symbolic, trace
-    from tfcli.model import masks
-    from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.subjects.base import primary_output
-
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     _check_device(device.value)
     dims = sizes(subject, batch_size, src_len, tgt_len, dim)
@@ -75,8 +69,23 @@ def shapes(
     elif src_lens is not None or tgt_lens is not None:
         raise TfcliError("--src-lens/--tgt-lens pad tfcli's own model; for --model, see "
                          "`tfcli masks --lengths`")
-    model = subject.build(device.value).eval()
-    inputs = subject.make_inputs(model, dims, device.value)
+    run_device, abstract = subject.abstract_run(device.value)
+    with abstract:
+        _trace_and_show(subject, run_device, device.value, dims, src_lens, tgt_lens, lengths,
+                        batch_size, depth, expand, backward, causal_flops, json_out)
+
+
+def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, lengths,
+                    batch_size, depth, expand, backward, causal_flops, json_out) -> None:
+    from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
+    from tfcli.inspection.shapes import ForwardFailed, ambiguous, infer_dims, symbolic, trace
+    from tfcli.model import masks
+    from tfcli.render.shapes import build_tree, flops_text
+    from tfcli.subjects.base import primary_output
+
+    cfg = getattr(subject, "cfg", None)
+    model = subject.build(run_device).eval()
+    inputs = subject.make_inputs(model, dims, run_device)
     for side, text in (("src", src_lens), ("tgt", tgt_lens)):
         if text is None:
             continue
@@ -88,7 +97,7 @@ def shapes(
             raise TfcliError(f"--{side}-lens {text!r}: give {batch_size} lengths (--batch-size), "
                              f"each in 0..{lengths[side]} (--{side}-len)")
         inputs.kwargs[f"{side}_valid"] = masks.valid_from_lengths(lens, lengths[side]).to(
-            device.value)
+            run_device)
 
     used = {k: dims[k] for k in subject.dims_used() if k in dims}
     try:
@@ -122,7 +131,7 @@ def shapes(
 
     if json_out:
         print_json({
-            "dims": names, "ambiguous": unclear, "device": device.value,
+            "dims": names, "ambiguous": unclear, "device": device_name,
             "subject": subject.describe(),
             "events": [{**e.to_dict(),
                         "inputs_symbolic": [None if s is None else symbolic(s, names)
@@ -143,7 +152,7 @@ def shapes(
         console.print(f"ambiguous: size {line}; choose other example sizes "
                       f"(--batch-size, --src-len, --tgt-len, --dim)", style="yellow")
     console.print(build_tree(events, names, depth, expand, backward,
-                             f"{cfg.kind if cfg is not None else subject.label} on {device.value}"))
+                             f"{cfg.kind if cfg is not None else subject.label} on {device_name}"))
     what = "forward+backward" if backward else "forward"
     console.print(f"FLOPs ({what}): tfcli {flops_text(ours)}   [{CONVENTION}]")
     console.print(f"  torch FlopCounterMode as shipped: {flops_text(counter.flop_counter)} "

@@ -17,9 +17,13 @@ from torch import Tensor, nn
 
 from tfcli.model.masks import guard_empty_rows
 
-# K/V heads reach the fused kernel through SDPA's own enable_gqa, not repeat_interleave: on CPU
-# (torch 2.13, fp32, 2 threads, /tmp/gqa/bench_gqa.py in the issue-12 report) it was as fast or
-# faster in every case measured, and it never materialises the g-fold copies of K and V.
+# K/V heads reach the fused kernel through SDPA's own enable_gqa rather than repeat_interleave:
+# it never materialises g copies of K and V, and it was faster on CPU (torch 2.13, fp32, 11
+# interleaved rounds, best round): with 1 thread 1-8 % faster in all 12 cases (h/h_kv 32/8,
+# 8/2, 8/1; L 256-1024; bool mask or none; forward and forward+backward), e.g. 52.5 vs 55.1 ms
+# forward at B=1, h=32, h_kv=8, L=512, d_k=128 with a causal bool mask; with 2 threads, on a
+# CPU shared with other work, faster in 9 of 12 (forward: all 6) and slower only in 3 backward
+# cases whose rounds spread over 2-30x. False switches to repeat_interleave (tested equal).
 SDPA_ENABLE_GQA = True
 
 
@@ -83,21 +87,18 @@ class Rotary(nn.Module):
     Pairs are halves, as Transformers' Llama and GPT-NeoX; Meta's LLaMA code pairs (2i, 2i+1),
     the same up to a fixed permutation of the rows of W_Q and W_K. No parameters."""
 
-    def __init__(self, head_dim: int, theta: float, max_len: int) -> None:
+    def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        self.theta = theta
-        # Built on the CPU and moved, as SinusoidalPositions (arange on meta costs a second);
-        # float32 whatever the model's dtype: bf16 cannot count positions past 256.
-        cpu = torch.device("cpu")
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
-        device = torch.get_default_device()
-        self.register_buffer("inv_freq", (1.0 / theta ** exponent).to(device), persistent=False)
-        self.register_buffer("positions", torch.arange(max_len, dtype=torch.float32,
-                                                       device=cpu).to(device), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def _rotate(self, x: Tensor) -> Tensor:
-        length = x.size(-2)
-        angles = self.positions[:length, None] * self.inv_freq  # [L, d_k/2]
+        # Angles are computed per call, in float32 whatever the model's dtype (bf16 cannot count
+        # positions past 256), and held in no buffer: nothing to list, save or move per layer.
+        length, device = x.size(-2), x.device
+        pairs = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1.0 / self.theta ** (pairs / self.head_dim)  # [d_k/2]
+        positions = torch.arange(length, dtype=torch.float32, device=device)
+        angles = positions[:, None] * inv_freq  # [L, d_k/2]
         angles = torch.cat((angles, angles), dim=-1)  # [L, d_k]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         first, second = x.chunk(2, dim=-1)

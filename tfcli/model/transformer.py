@@ -160,7 +160,7 @@ class Block(nn.Module):
         self.pre_norm = cfg.norm_placement == "pre"
 
         def attention(rope: bool) -> MultiHeadAttention:
-            rotary = Rotary(cfg.d_k, cfg.rope_theta, cfg.max_seq_len) if rope else None
+            rotary = Rotary(cfg.d_k, cfg.rope_theta) if rope else None
             return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_bias, cfg.attention,
                                       cfg.dropout, cfg.kv_heads, cfg.d_k, rotary)
 

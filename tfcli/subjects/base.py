@@ -219,6 +219,22 @@ class Subject:
     def describe(self) -> dict:
         return {"kind": self.kind, "label": self.label}
 
+    # Code that reads values in its forward (Transformers' mask preparation calls .item())
+    # cannot run on meta; fake tensors run it, and such code treats them as tracing.
+    runs_on_meta = True
+
+    def abstract_run(self, device: str):
+        """(device to build and run on, context to do it in) for ``device``; "meta" becomes
+        CPU under FakeTensorMode for a model that cannot run on meta. Either way no weights
+        are allocated and no arithmetic is done."""
+        import contextlib
+
+        if str(device) != "meta" or self.runs_on_meta:
+            return device, contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return "cpu", FakeTensorMode(allow_non_fake_inputs=True)
+
 
 def embedding_limit(model: nn.Module) -> int:
     """Token ids must stay below the smallest embedding table (2 when there is none)."""

@@ -45,6 +45,7 @@ def _config_path(path_text: str) -> Path:
 
 class HFSubject(Subject):
     kind = "hf"
+    runs_on_meta = False
 
     def __init__(self, path_text: str, class_name: str | None = None,
                  input_specs: list[InputSpec] | None = None) -> None:
@@ -81,7 +82,10 @@ class HFSubject(Subject):
             if class_name:
                 raise TfcliError(f"--hf-class {class_name!r}: Transformers has no model class "
                                  f"of that name (e.g. LlamaForCausalLM, GPT2LMHeadModel)")
-        for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+        autos = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel")
+        if getattr(self.config, "is_encoder_decoder", False):
+            autos = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModel")
+        for auto in autos:
             mapping = getattr(tf, auto)._model_mapping
             try:
                 return mapping[type(self.config)]
@@ -119,9 +123,7 @@ class HFSubject(Subject):
             specs = [InputSpec("input_ids", "int64", ("B", "L")),
                      InputSpec("attention_mask", "int64", ("B", "L"), 2)]
         tensors = make_tensors(specs, sizes, device, self.vocab, seed)
-        if str(device) != "meta":  # attend to every token unless a check pads some
-            for key in ("attention_mask",):
-                tensors[key] = torch.ones_like(tensors[key])
+        tensors["attention_mask"] = torch.ones_like(tensors["attention_mask"])  # no padding
         accepts = set(inspect.signature(model.forward).parameters)
         kwargs = {k: v for k, v in tensors.items() if k in accepts or k == "input_ids"}
         if "use_cache" in accepts:
