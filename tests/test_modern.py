@@ -293,7 +293,7 @@ def test_sdpa_gqa_and_repeated_kv_agree(monkeypatch):
 
 
 def test_rotary_scores_depend_only_on_relative_position():
-    rot = Rotary(8, 10000.0, 32)
+    rot = Rotary(8, 10000.0)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(8, generator=g), torch.randn(8, generator=g)
     # the same q and k at every position; score(m, n) must be a function of m - n
@@ -319,6 +319,7 @@ def test_rope_applies_to_self_attention_only():
     assert block.self_attn.rotary is not None and block.cross_attn.rotary is None
     assert model.tgt_embed.pos is None
     assert not any("rotary" in name for name, _ in model.named_parameters())
+    assert not any("rotary" in name for name, _ in model.named_buffers())
 
 
 def test_rope_refuses_inputs_past_max_seq_len():
