@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, int_list, print_json,
-                               resolve_config, stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
+                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
+                               sizes, stdout)
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
@@ -35,6 +36,16 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
 
 def masks(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
+    model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    input_: InputOpt = None, dim: DimOpt = None,
+    causal: Annotated[Optional[list[str]], typer.Option(
+        "--causal", metavar="NAME", show_default=False,
+        help="--model: input NAME must be causal (changing its later tokens leaves earlier "
+             "outputs unchanged). Repeatable.")] = None,
+    lengths: Annotated[Optional[list[str]], typer.Option(
+        "--lengths", metavar="NAME=N,N,…", show_default=False,
+        help="--model: real length per sequence of input NAME; later positions become "
+             "--pad-id (and 0 in a *mask* input of the same shape). Repeatable.")] = None,
     src_lens: Annotated[Optional[str], typer.Option(
         metavar="N,N,…", show_default=False,
         help="Source lengths per sequence, padded to the longest (default 4,6).")] = None,
@@ -48,7 +59,9 @@ def masks(
     tgt_ids: Annotated[Optional[str], typer.Option(
         metavar="IDS;IDS", show_default=False, help="Target token ids instead of lengths.")
     ] = None,
-    pad_id: Annotated[int, typer.Option(help="Padding token id for --src-ids/--tgt-ids.")] = 0,
+    pad_id: Annotated[Optional[int], typer.Option(
+        show_default=False,
+        help="Padding token id for --src-ids/--tgt-ids (default 0) and --lengths.")] = None,
     batch_index: Annotated[int, typer.Option(min=0, help="Which sequence to draw.")] = 0,
     convention: Annotated[Convention, typer.Option(
         help="bool-allowed (SDPA), bool-blocked (nn.MultiheadAttention), keep-01 (tutorials' "
@@ -70,7 +83,19 @@ def masks(
     from tfcli.model.transformer import build_model
     from tfcli.render.masks import render_check, render_masks
 
-    cfg = resolve_config(preset, config, set_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    if getattr(subject, "cfg", None) is None:
+        if src_lens or tgt_lens or src_ids or tgt_ids:
+            raise TfcliError("--src-lens/--tgt-lens/--src-ids/--tgt-ids describe tfcli's own "
+                             "model's batch; for --model use --lengths NAME=N,N and --pad-id")
+        _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
+                   check, max_grid, json_out)
+        return
+    if causal or lengths or dim:
+        raise TfcliError("--causal, --lengths and --dim apply to --model; tfcli's own model "
+                         "takes --src-lens/--tgt-lens or --src-ids/--tgt-ids")
+    pad_id = 0 if pad_id is None else pad_id
+    cfg = subject.cfg
     sides = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)) if present]
     given = {"src": (src_lens, src_ids), "tgt": (tgt_lens, tgt_ids)}
     for side in ("src", "tgt"):
@@ -172,3 +197,78 @@ def _to_json(cfg, items, valid, convention, report) -> dict:
     if report is not None:
         out["check"] = {**asdict(report), "passed": report.passed}
     return out
+
+
+def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int | None,
+               dim: list[str] | None, batch_index: int, convention: Convention, check: bool,
+               max_grid: int, json_out: bool) -> None:
+    """Any model: the masks its attention calls applied, and with --check the checks that
+    need only inputs and outputs (see tfcli.inspection.anycheck)."""
+    import torch
+
+    from tfcli.inspection.anycheck import check_any, pad_inputs, run_and_capture
+    from tfcli.render.masks import render_any_check, render_seen
+    from tfcli.subjects.base import embedding_limit
+
+    lengths: dict[str, list[int]] = {}
+    for text in lengths_text:
+        name, sep, values = text.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise TfcliError(f"--lengths {text!r}: expected NAME=N,N,… e.g. --lengths src=5,3")
+        lengths[name.strip()] = int_list(values, f"--lengths {name.strip()}=", "5,3")
+    batches = {len(v) for v in lengths.values()}
+    if len(batches) > 1:
+        raise TfcliError("--lengths: give the same number of sequences for every input")
+    if pad_id is not None and not lengths and not causal:
+        raise TfcliError("--pad-id pads the sequences --lengths describes; add --lengths NAME=N,N")
+    dims = sizes(subject, batches.pop() if batches else 2, 9, 7, dim)
+    for name, lens in lengths.items():
+        longest = max(lens)
+        for letter in _letters_of(subject, name):
+            dims[letter] = max(longest, 1)
+    torch.manual_seed(0)
+    model = subject.build("cpu").eval()
+    inputs = subject.make_inputs(model, dims, "cpu")
+    named = inputs.named(model)
+    for name in [*causal, *lengths]:
+        if name not in named or not isinstance(named[name], torch.Tensor) \
+                or named[name].dim() < 2:
+            have = ", ".join(k for k, v in named.items() if isinstance(v, torch.Tensor))
+            raise TfcliError(f"--causal/--lengths {name!r}: not a [B, L, …] input of this model "
+                             f"(its inputs: {have})")
+    for name, lens in lengths.items():
+        x = named[name]
+        if len(lens) != x.size(0) or max(lens) > x.size(1):
+            raise TfcliError(f"--lengths {name}: {x.size(0)} sequences of at most {x.size(1)} "
+                             f"positions here")
+    if batch_index >= next(iter(t.size(0) for t in inputs.tensors()), 1):
+        raise TfcliError(f"--batch-index {batch_index}: beyond the batch")
+    inputs = pad_inputs(model, inputs, lengths, pad_id)
+    if check:
+        report, seen = check_any(model, inputs, causal, lengths, pad_id,
+                                 embedding_limit(model))
+    else:
+        report, (_, seen) = None, run_and_capture(model, inputs)
+    if json_out:
+        out = {"subject": subject.describe(), "seen": [a.to_dict() for a in seen]}
+        if report is not None:
+            out["check"] = report.to_dict()
+        print_json(out)
+    else:
+        console = stdout()
+        render_seen(seen, batch_index, convention.value, max_grid, console)
+        if report is not None:
+            render_any_check(report, console)
+    if report is not None and not report.passed:
+        raise typer.Exit(1)
+
+
+def _letters_of(subject, name: str) -> list[str]:
+    """The length letter(s) of input ``name`` (dimension 1 of its --input spec)."""
+    for spec in getattr(subject, "input_specs", []):
+        if spec.name == name and len(spec.dims) > 1 and isinstance(spec.dims[1], str):
+            return [spec.dims[1]]
+    if subject.kind == "hf":
+        return ["S"] if "decoder" not in name and getattr(subject, "encoder_decoder", False) \
+            else (["T"] if "decoder" in name else ["L"])
+    return []

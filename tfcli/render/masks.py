@@ -102,3 +102,50 @@ def render_check(report: CheckReport, console: Console) -> None:
                       f"{', …' if len(queries) > 8 else ''}) → output {output}")
     console.print(Text("PASSED" if report.passed else "FAILED", style="bold green"
                        if report.passed else "bold red"))
+
+
+def render_seen(seen, batch: int, convention: str, limit: int, console: Console) -> None:
+    """The masks a model applied, as captured at its softmax or SDPA calls (head 0)."""
+    import torch
+
+    console.soft_wrap = True
+    yes, no = CELLS[convention]
+    console.print(Text(f"convention {convention}: {yes} = may attend, {no} = blocked; rows are "
+                       f"queries, columns keys; as each attention call applied it (head 0)",
+                       style="bold"))
+    shown: set = set()
+    for a in seen:
+        if a.allowed is None:
+            continue
+        grid_key = (tuple(a.scores), tuple(a.allowed[batch].flatten().tolist()))
+        if grid_key in shown:  # the same mask in every layer: draw it once
+            continue
+        shown.add(grid_key)
+        console.print()
+        console.print(Text(f"{a.path or '(model)'}: {a.how}, scores {a.scores}", style="bold"))
+        q_valid = torch.ones(a.allowed.shape[:2], dtype=torch.bool)
+        k_valid = torch.ones(a.allowed.shape[0], a.allowed.shape[2], dtype=torch.bool)
+        console.print(grid(None, a.allowed, q_valid, k_valid, batch, convention, limit), end="")
+    if not shown:
+        console.print("no attention call with a mask was seen (unmasked attention, or attention "
+                      "inside a single torch function such as nn.MultiheadAttention)")
+
+
+def render_any_check(report, console: Console) -> None:
+    console.soft_wrap = True
+    mark = {True: "✓", False: "✗", None: "–"}
+    console.print()
+    console.print(Text("check: the model on this batch, from its inputs and outputs and the "
+                       "attention it computed", style="bold"))
+    for a in report.attention:
+        if a.max_blocked_weight is None:
+            what = "no mask seen" + (", NaN in weights" if a.nan else "")
+        else:
+            what = (f"largest weight on a blocked position = {a.max_blocked_weight:.3g}"
+                    + (f" ({a.empty_rows} row(s) with no allowed key left out)"
+                       if a.empty_rows else "") + (", NaN in weights" if a.nan else ""))
+        console.print(f"  {mark[a.ok]} {a.path or '(model)'} [{a.how}]: {what}")
+    for c in report.checks:
+        console.print(f"  {mark[c.ok]} {c.name}: {c.detail}")
+    console.print(Text("PASSED" if report.passed else "FAILED", style="bold green"
+                       if report.passed else "bold red"))
