@@ -115,9 +115,10 @@ PRESETS: dict[str, Preset] = {
                max_seq_len=32768, rope_theta=10000.0, attention_window=4096),
     ),
     "llama-tiny": Preset(
-        "Llama-shaped decoder for tests: RMSNorm, rotary, 4 query / 2 K/V heads, SwiGLU",
+        "Llama-shaped decoder for tests: RMSNorm, rotary, 6 query / 3 K/V heads, SwiGLU "
+        "(every size distinct from the others and from the example B and T)",
         "tfcli",
-        _llama(d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, layers=2, vocab=103,
+        _llama(d_model=48, n_heads=6, n_kv_heads=3, d_ff=64, layers=2, vocab=103,
                max_seq_len=64, rope_theta=10000.0),
     ),
     "bert-base": Preset(
