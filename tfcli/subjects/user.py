@@ -144,7 +144,7 @@ class UserSubject(Subject):
                                  f"{type(given).__name__}; return a dict of keyword arguments "
                                  f"or a tuple of positional ones")
         if not isinstance(model, nn.Module):
-            raise TfcliError(f"--model {self.ref}: it returned a {type(result).__name__}, not an "
+            raise TfcliError(f"--model {self.ref}: it returned {type(result).__name__}, not an "
                              f"nn.Module or (module, example_inputs)")
         if str(device) != "meta":
             _materialise(model, device)

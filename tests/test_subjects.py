@@ -1,0 +1,276 @@
+"""Every command on models tfcli did not build: a tutorial's from-scratch Transformer (the
+examples/ file), torch.nn.Transformer, and Hugging Face configurations — checked against
+references no one here wrote (sum of numel, Transformers' own models, FlopCounterMode)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLE = str(Path(__file__).parent.parent / "examples" / "tutorial_transformer.py")
+TUTORIAL = ["--model", f"{EXAMPLE}:build", "--input", "src=int64[B,S]", "--input",
+            "tgt=int64[B,T]"]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("tutorial_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_json(cli, *args):
+    result = cli(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# --- a tutorial's model --------------------------------------------------------------------
+
+
+def test_tutorial_params_equal_sum_of_numel(cli):
+    expected = sum(p.numel() for p in load_example().build(d_model=32).parameters())
+    data = run_json(cli, "params", "--model", f"{EXAMPLE}:build", "--model-arg", "d_model=32")
+    assert data["total_params"] == expected
+    # the component summary uses the model's own top-level children
+    assert set(data["by_component"]) == {"src_embed", "tgt_embed", "encoder", "decoder",
+                                         "enc_norm", "dec_norm", "generator"}
+    assert data["by_kind"]["attention"] == 6 * 4 * (32 * 32 + 32)  # 2 enc + 4 dec attentions
+
+
+def test_tutorial_shapes_show_every_attention_score_matrix(cli):
+    data = run_json(cli, "shapes", *TUTORIAL, "--dim", "S=11", "--dim", "T=6")
+    scores = {e["path"]: d["shape"] for e in data["events"] for d in e["details"]
+              if d["label"].startswith("scores")}
+    assert scores["encoder.0.self_attn"] == [2, 4, 11, 11]
+    assert scores["decoder.0.self_attn"] == [2, 4, 6, 6]
+    assert scores["decoder.0.src_attn"] == [2, 4, 6, 11]  # cross-attention: [B, h, T, S]
+    assert data["dims"]["h"] == 4 and data["dims"]["d_k"] == 16
+    # the attention matmuls are counted: tfcli equals torch's own count of the same run
+    assert data["flops"]["forward"] == data["flops"]["flop_counter"]
+
+
+def test_tutorial_masks_check_passes_and_fails_without_its_causal_mask(cli):
+    args = ["masks", *TUTORIAL, "--causal", "tgt", "--lengths", "src=5,3", "--pad-id", "0",
+            "--check"]
+    good = cli(*args)
+    assert good.exit_code == 0, good.stdout + good.stderr
+    assert "PASSED" in good.stdout
+    bad = cli(*args, "--model-arg", "causal=False", "--json")
+    assert bad.exit_code == 1
+    checks = {c["name"]: c["ok"] for c in json.loads(bad.stdout)["check"]["checks"]}
+    assert checks["causality of tgt"] is False and checks["padding of src: length"] is True
+
+
+def test_tutorial_activation_replay_matches_the_profiler():
+    from tfcli.inspection.memory import estimate_activations, profile_peak_bytes
+    from tfcli.subjects.base import parse_input
+    from tfcli.subjects.user import UserSubject
+
+    subject = UserSubject(f"{EXAMPLE}:build", {"d_model": 32},
+                          [parse_input("src=int64[B,S]"), parse_input("tgt=int64[B,T]")])
+    sizes = dict(B=2, S=24, T=20)
+    estimate, how = estimate_activations(subject, sizes)
+    model = subject.build("cpu").train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inputs = subject.make_inputs(model, sizes, "cpu")
+    measured = profile_peak_bytes(lambda: subject.loss(inputs(model)).backward())
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
+    assert estimate.saved_bytes["attention matrices"] > 0 and "S=24, T=20" in how
+
+
+# --- torch.nn.Transformer by import string ---------------------------------------------------
+
+
+def test_torch_transformer_by_import_string_equals_the_preset(cli):
+    model = ["--model", "torch.nn:Transformer", "--model-arg", "batch_first=True",
+             "--input", "src=float32[B,S,512]", "--input", "tgt=float32[B,T,512]"]
+    theirs = run_json(cli, "params", *model[:4])
+    ours = run_json(cli, "params", "--preset", "torch-transformer")
+    assert theirs["total_params"] == ours["total_params"] == 44_140_544
+    theirs = run_json(cli, "shapes", *model)
+    ours = run_json(cli, "shapes", "--preset", "torch-transformer")
+    assert theirs["flops"]["forward"] == ours["flops"]["forward"]
+
+
+# --- Hugging Face configurations ------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def hf_configs(tmp_path):
+    configs = {
+        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=120,
+                                        n_positions=64, bos_token_id=0, eos_token_id=0,
+                                        architectures=["GPT2LMHeadModel"]),
+        "llama": transformers.LlamaConfig(hidden_size=64, intermediate_size=160,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=128,
+                                          max_position_embeddings=64),
+        "bart": transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                        encoder_attention_heads=4, decoder_attention_heads=4,
+                                        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                                        max_position_embeddings=64),
+    }
+    paths = {}
+    for name, config in configs.items():
+        paths[name] = tmp_path / f"{name}.json"
+        config.to_json_file(paths[name])
+    return configs, paths
+
+
+@pytest.mark.parametrize("name,cls", [("gpt2", "GPT2LMHeadModel"),
+                                      ("llama", "LlamaForCausalLM")])
+def test_hf_params_equal_the_transformers_model(cli, hf_configs, name, cls):
+    configs, paths = hf_configs
+    with torch.device("meta"):
+        model = getattr(transformers, cls)(configs[name])
+    expected = sum(p.numel() for p in model.parameters())  # tied weights once
+    data = run_json(cli, "params", "--model", f"hf:{paths[name]}")
+    assert data["total_params"] == expected
+    if name == "gpt2":
+        assert ["transformer.wte.weight", "lm_head.weight"] in data["aliases"]
+
+
+@pytest.mark.parametrize("name,cls", [("gpt2", "GPT2LMHeadModel"),
+                                      ("llama", "LlamaForCausalLM")])
+def test_hf_shapes_and_flops_equal_flop_counter_on_cpu_math(cli, hf_configs, name, cls):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    configs, paths = hf_configs
+    data = run_json(cli, "shapes", "--model", f"hf:{paths[name]}", "--dim", "L=10",
+                    "--batch-size", "3")
+    scores = [d["shape"] for e in data["events"] for d in e["details"]
+              if d["label"].startswith("scores")]
+    assert scores and all(s == [3, 4, 10, 10] for s in scores)  # the query-head count, h = 4
+    config = configs[name]
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, cls)(config).eval()
+    ids = torch.randint(0, config.vocab_size, (3, 10))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, \
+            torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert data["flops"]["forward"] == counter.get_total_flops()
+
+
+def test_hf_encoder_decoder_gets_its_inputs_automatically(cli, hf_configs):
+    _, paths = hf_configs
+    data = run_json(cli, "shapes", "--model", f"hf:{paths['bart']}")
+    assert data["events"][0]["type"] == "BartForConditionalGeneration"
+    assert data["dims"]["S"] == 9 and data["dims"]["T"] == 7
+    assert data["events"][0]["outputs"][0] == [2, 7, 100]  # logits [B, T, V]
+
+
+def test_hf_masks_check_on_gpt2(cli, hf_configs):
+    _, paths = hf_configs
+    result = cli("masks", "--model", f"hf:{paths['gpt2']}", "--causal", "input_ids",
+                 "--lengths", "input_ids=9,4", "--pad-id", "0", "--check")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "padding of input_ids: content" in result.stdout
+
+
+def test_bench_model_runs_a_user_model(cli):
+    data = run_json(cli, "bench", "--what", "model", *TUTORIAL, "--seq-lens", "8,16",
+                    "--pass", "fwd", "--min-time", "0.01", "--max-time", "0.2")
+    assert [(r["seq_len"], r["status"]) for r in data["records"]] == [(8, "ok"), (16, "ok")]
+    assert all(r["flops"] > 0 and r["attention_share"] > 0 for r in data["records"])
+
+
+# --- bad input: one line, exit 2 --------------------------------------------------------------
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "user_model.py"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_MODELS = {
+    "raises": ("def build():\n    raise ValueError('d_model must be even')\n",
+               ["ValueError: d_model must be even", "user_model.py:2"]),
+    "not_module": ("def build():\n    return 42\n", ["returned int", "nn.Module"]),
+    "bad_inputs": ("import torch\ndef build():\n    return torch.nn.Linear(2, 2), 5\n",
+                   ["example inputs", "dict"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MODELS))
+def test_bad_user_models(cli, tmp_path, case):
+    text, words = BAD_MODELS[case]
+    result = cli("params", "--model", f"{write(tmp_path, text)}:build")
+    assert result.exit_code == 2, result.stdout
+    line = result.stderr.strip()
+    assert "\n" not in line and "Traceback" not in result.stderr
+    for word in words:
+        assert word in line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "no_such_file.py:build"], "no such file"),
+    (["--model", f"{EXAMPLE}:nothing"], "has no 'nothing'"),
+    (["--model", f"{EXAMPLE}"], "expected FILE.py:NAME"),
+    (["--model", "no_such_module_xyz:build"], "no module named"),
+    (["--model", f"{EXAMPLE}:build", "--model-arg", "d model=3"], "--model-arg"),
+    (["--model", f"{EXAMPLE}:build", "--preset", "tiny"], "give one or the other"),
+    (["--preset", "tiny", "--input", "x=int64[B,S]"], "--input applies to --model"),
+    (["--model", "hf:/nonexistent/dir"], "no such file"),
+    (["--model", "torch.nn:Linear", "--model-arg", "in_features=2",
+      "--model-arg", "out_features=2", "--hf-class", "X"], "--hf-class applies"),
+])
+def test_bad_model_options(cli, args, words):
+    result = cli("params", *args)
+    assert result.exit_code == 2, result.stdout
+    assert words in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,words", [
+    ([*TUTORIAL[:2], "--input", "source=int64[B,S]"], "has no parameter 'source'"),
+    ([*TUTORIAL[:2]], "--input NAME=DTYPE[DIMS]"),
+    ([*TUTORIAL[:2], "--input", "src=int64(B,S)"], "expected NAME=DTYPE[DIMS]"),
+    ([*TUTORIAL[:2], "--input", "src=int65[B,S]"], "dtype 'int65'"),
+    ([*TUTORIAL, "--dim", "S=-3"], "--dim"),
+    ([*TUTORIAL[:2], "--input", "src=int64[B,Q]", "--input", "tgt=int64[B,T]"], "no size for Q"),
+])
+def test_bad_inputs(cli, args, words):
+    result = cli("shapes", *args)
+    assert result.exit_code == 2, result.stdout
+    assert words in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_config_transformers_rejects(cli, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "no-such-architecture"}))
+    result = cli("params", "--model", f"hf:{path}")
+    assert result.exit_code == 2 and "Transformers rejects this config" in result.stderr
+    path.write_text("{not json")
+    result = cli("params", "--model", f"hf:{path}")
+    assert result.exit_code == 2 and "not valid JSON" in result.stderr
+
+
+def test_hf_without_transformers_names_the_extra(cli, hf_configs, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    result = cli("params", "--model", f"hf:{hf_configs[1]['gpt2']}")
+    assert result.exit_code == 2 and "pip install 'tfcli[hf]'" in result.stderr
+
+
+def test_user_forward_failing_prints_the_partial_trace(cli, tmp_path):
+    text = ("import torch\nclass M(torch.nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n"
+            "        self.a = torch.nn.Linear(4, 4)\n        self.b = torch.nn.Linear(5, 4)\n"
+            "    def forward(self, x):\n        return self.b(self.a(x))\n")
+    result = cli("shapes", "--model", f"{write(tmp_path, text)}:M", "--input", "x=float32[B,4]")
+    assert result.exit_code == 1
+    assert "partial trace" in result.stdout and "a Linear" in result.stdout
+    assert "forward pass failed in b (Linear)" in result.stderr
+    data = cli("shapes", "--model", f"{write(tmp_path, text)}:M", "--input", "x=float32[B,4]",
+               "--json")
+    assert data.exit_code == 1 and json.loads(data.stdout)["events"][1]["path"] == "a"
