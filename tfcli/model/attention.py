@@ -91,22 +91,27 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
-    def _rotate(self, x: Tensor) -> Tensor:
+    def _cos_sin(self, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
         # Angles are computed per call, in float32 whatever the model's dtype (bf16 cannot count
         # positions past 256), and held in no buffer: nothing to list, save or move per layer.
-        length, device = x.size(-2), x.device
+        device = like.device
         pairs = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
         inv_freq = 1.0 / self.theta ** (pairs / self.head_dim)  # [d_k/2]
         positions = torch.arange(length, dtype=torch.float32, device=device)
         angles = positions[:, None] * inv_freq  # [L, d_k/2]
         angles = torch.cat((angles, angles), dim=-1)  # [L, d_k]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-second, first), dim=-1) * sin
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q [B, h, T, d_k], k [B, h_kv, S, d_k] -> the same shapes, rotated by position."""
-        return self._rotate(q), self._rotate(k)
+        cos, sin = self._cos_sin(max(q.size(-2), k.size(-2)), q)  # [max(T, S), d_k]
+        t, s = q.size(-2), k.size(-2)
+        return self._rotate(q, cos[:t], sin[:t]), self._rotate(k, cos[:s], sin[:s])
 
     def extra_repr(self) -> str:
         return f"theta={self.theta:g}"
