@@ -334,3 +334,33 @@ def test_meta_build_of_llama_3_8b_allocates_nothing():
     model = build_model(get_preset("llama-3-8b"), "meta")
     out = model(tgt=torch.zeros(1, 16, dtype=torch.long, device="meta"))
     assert out.is_meta and out.shape == (1, 16, 128256)
+
+
+# --- closed forms the inspection side can print ----------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length,window", [(1, None), (7, None), (7, 1), (7, 3), (6, 6), (5, 9)])
+def test_allowed_pairs_counts_the_mask(length, window, causal):
+    structure = band(length, window or length, causal)
+    assert masks.allowed_pairs(length, causal, window) == int(structure.sum())
+
+
+@pytest.mark.parametrize("name,expected_gib", [("llama-2-7b", 2.0), ("llama-3-8b", 0.5)])
+def test_kv_cache_is_the_issues_figure(name, expected_gib):
+    from tfcli.model.counting import kv_cache
+
+    cache = kv_cache(get_preset(name), batch_size=1, seq_len=4096)
+    assert cache.bytes(2) == expected_gib * 2**30  # fp16, B = 1, L = 4096 (issue 12)
+    assert "32 layers" in cache.formula
+
+
+def test_kv_cache_of_a_window_and_of_an_encoder_decoder():
+    from tfcli.model.counting import kv_cache
+
+    mistral = get_preset("mistral-7b")
+    assert kv_cache(mistral, 1, 8192).positions == 4096  # rolling buffer of W positions
+    assert kv_cache(mistral, 1, 8192, rolling_window=False).positions == 8192
+    tiny = get_preset("tiny")  # 2 decoder layers, 4 heads of 8
+    assert kv_cache(tiny, 3, 5, src_len=7).elements == 2 * 2 * 4 * 8 * 3 * (5 + 7)
+    assert kv_cache(get_preset("bert-base"), 1, 9).elements == 0

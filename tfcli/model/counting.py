@@ -73,3 +73,34 @@ def count_params(cfg: Config) -> ParamCount:
         add("output", "output", weight + (cfg.tgt_vocab_size if cfg.output_bias else 0))
 
     return ParamCount(sum(component.values()), dict(component), dict(kind))
+
+
+@dataclass(frozen=True)
+class KVCache:
+    elements: int  # cached K and V elements for the whole batch
+    positions: int  # positions each layer keeps: L, or at most the window
+    formula: str  # how it is computed, to print beside the figure
+
+    def bytes(self, bytes_per_element: int) -> int:
+        return self.elements * bytes_per_element
+
+
+def kv_cache(cfg: Config, batch_size: int, seq_len: int, src_len: int = 0,
+             rolling_window: bool = True) -> KVCache:
+    """K and V kept for decoding ``seq_len`` positions: 2 · layers · h_kv · d_k · L · B elements
+    in the decoder's self-attention, plus the cross-attention's K and V of the ``src_len``-long
+    memory in an encoder-decoder. With a sliding window and ``rolling_window`` each layer keeps
+    only the last W positions (Mistral's rolling buffer cache); without it, all L."""
+    if not cfg.has_decoder:
+        return KVCache(0, 0, "no decoder: nothing is cached")
+    positions = seq_len
+    if cfg.attention_window is not None and rolling_window:
+        positions = min(seq_len, cfg.attention_window)
+    per_position = 2 * cfg.n_decoder_layers * cfg.kv_heads * cfg.d_k  # K and V, every layer
+    elements = per_position * positions * batch_size
+    formula = (f"2 · {cfg.n_decoder_layers} layers · {cfg.kv_heads} KV heads · d_k {cfg.d_k} · "
+               f"{positions} positions · B {batch_size}")
+    if cfg.has_encoder and src_len:
+        elements += per_position * src_len * batch_size
+        formula += f" + the same for {src_len} memory positions (cross-attention)"
+    return KVCache(elements, positions, formula)

@@ -62,6 +62,17 @@ def sliding_window(size: int, window: int, is_causal: bool,
     return band.tril() if is_causal else band.tril(window - 1)
 
 
+def allowed_pairs(length: int, is_causal: bool, window: int | None = None) -> int:
+    """How many (query, key) pairs of one [L, L] self-attention the structure allows, in closed
+    form (no tensor): L² dense, L(L+1)/2 causal, fewer in a window. Effective attention FLOPs
+    are 4 · B · h · pairs · d_k; dense kernels still compute all L² (padding aside)."""
+    w = length if window is None else min(window, length)
+    if is_causal:  # query i sees min(i + 1, W) keys
+        return w * (w + 1) // 2 + (length - w) * w
+    # query i sees keys max(0, i-W+1) .. min(L-1, i+W-1): L(2W-1) minus what falls off each end
+    return length * (2 * w - 1) - w * (w - 1)
+
+
 def key_padding(valid: Tensor) -> Tensor:
     """[B, S] validity -> [B, 1, 1, S]: every query may attend to every real key."""
     return valid[:, None, None, :]
