@@ -22,6 +22,7 @@ def test_readme_has_examples():
 @pytest.mark.parametrize("line", EXAMPLES)
 def test_readme_example_runs(cli, line, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples may write files (--csv, --profile)
+    (tmp_path / "examples").symlink_to(README.parent / "examples")  # as from the repository
     result = cli(*shlex.split(line)[1:])
     assert result.exit_code == 0, result.stderr
 
