@@ -82,3 +82,34 @@ def test_help_startup(benchmark, measuring):
     _record(benchmark, help_seconds=ours, python_pass_seconds=bare, beyond=ours - bare)
     if measuring:
         assert ours - bare < 0.3
+
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+HF_MISS = pytest.mark.xfail(
+    strict=False, reason="known miss: Transformers imports the model's own modules on first use "
+    "(~1.8 s for Llama's, profiled); measured 2.7-3.4 s (params) and 3.4-3.9 s (shapes) beyond "
+    "`import torch, transformers` on a shared 2-core machine")
+
+
+@pytest.mark.parametrize("command,limit_mib", [("params", 1024), ("shapes", 1536)])
+def test_hf_seven_b_config(benchmark, measuring, request, tmp_path, command, limit_mib):
+    import json
+
+    pytest.importorskip("transformers")
+    if measuring:
+        request.applymarker(HF_MISS)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_7B))
+    repeat = 3 if measuring else 1
+    ours_s, ours_mb = benchmark.pedantic(
+        best_of, args=(TFCLI + [command, "--model", f"hf:{config}", "--depth", "1"], repeat),
+        rounds=1, iterations=1)
+    base_s, _ = best_of([PYTHON, "-c", "import torch, transformers"], repeat)
+    _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_seconds=base_s,
+            beyond_import=ours_s - base_s)
+    assert ours_mb < limit_mib
+    if measuring:
+        assert ours_s - base_s < 3.0
