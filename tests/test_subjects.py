@@ -274,3 +274,19 @@ def test_user_forward_failing_prints_the_partial_trace(cli, tmp_path):
     data = cli("shapes", "--model", f"{write(tmp_path, text)}:M", "--input", "x=float32[B,4]",
                "--json")
     assert data.exit_code == 1 and json.loads(data.stdout)["events"][1]["path"] == "a"
+
+
+def test_missing_forward_argument_shows_the_signature(cli):
+    result = cli("shapes", *TUTORIAL[:2], "--input", "src=int64[B,S]")
+    assert result.exit_code == 2
+    assert "nothing given for tgt" in result.stderr and "Seq2Seq.forward(src, tgt)" in result.stderr
+
+
+def test_a_factory_that_builds_on_meta_is_initialised_for_real_runs(cli, tmp_path):
+    text = ("import torch\ndef build():\n    with torch.device('meta'):\n"
+            "        return torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 8))\n")
+    path = write(tmp_path, text)
+    result = cli("masks", "--model", f"{path}:build", "--input", "input=int64[B,L]", "--check",
+                 "--causal", "input")
+    assert result.exit_code == 0, result.stdout + result.stderr  # per-position: causal
+    assert "causality of input" in result.stdout

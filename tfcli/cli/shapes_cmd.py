@@ -111,7 +111,9 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         else:
             stdout().print(build_tree(failure.events, names, depth, True, False,
                                       "partial trace (the forward pass failed)"))
-            typer.echo(f"tfcli: {failure}", err=True)
+            hint = ("; it may need real values: try --device cpu"
+                    if device_name == "meta" and "meta" in str(failure.error) else "")
+            typer.echo(f"tfcli: {failure}{hint}", err=True)
         raise typer.Exit(1) from None
     names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
 

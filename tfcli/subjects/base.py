@@ -145,17 +145,23 @@ def signature_text(model: nn.Module) -> str:
 
 
 def check_inputs_fit(model: nn.Module, names: list[str]) -> None:
-    """Every input name must be a parameter of ``forward`` (unless it takes **kwargs)."""
+    """Every input name must be a parameter of ``forward`` (unless it takes **kwargs), and
+    every parameter without a default must be given."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    for name in names:
-        if name not in params:
-            raise InputError(f"--input {name}: {type(model).__name__}.forward has no parameter "
-                             f"{name!r}; it is {signature_text(model)}")
+    kinds = inspect.Parameter
+    if not any(p.kind is kinds.VAR_KEYWORD for p in params.values()):
+        for name in names:
+            if name not in params:
+                raise InputError(f"--input {name}: {type(model).__name__}.forward has no "
+                                 f"parameter {name!r}; it is {signature_text(model)}")
+    missing = [n for n, p in params.items() if p.default is kinds.empty and n not in names
+               and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    if missing:
+        raise InputError(f"--input: nothing given for {', '.join(missing)}; "
+                         f"{signature_text(model)} needs it (e.g. --input {missing[0]}=int64[B,L])")
 
 
 def primary_output(output) -> Tensor:
