@@ -194,3 +194,26 @@ def test_bad_options(cli, args, message):
 def test_side_the_model_does_not_have(cli):
     result = cli("masks", "--preset", "gpt2-small", "--src-lens", "3")
     assert result.exit_code == 2 and "this decoder-only model has no source side" in result.stderr
+
+
+def test_sliding_window_is_drawn_and_checked():
+    """The decoder's mask under attention_window is the causal band i - W < j <= i, and the
+    check fails on a model that ignores the window."""
+    import torch
+
+    from tfcli.inspection.maskcheck import check_model, mask_set
+    from tfcli.model.masks import valid_from_lengths
+    from tfcli.model.presets import get_preset
+    from tfcli.model.transformer import build_model, example_inputs
+
+    cfg = get_preset("llama-tiny").replace(attention_window=2, attention="naive")
+    valid = valid_from_lengths([5, 5])
+    used = {m.key: m for m in mask_set(cfg, None, valid)}["decoder_self"]
+    i = torch.arange(5)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 2)
+    assert torch.equal(used.expanded(2, 5, 5)[0], band)
+    inputs = {k: v for k, v in example_inputs(cfg, 2, 1, 5).items() if v is not None}
+    torch.manual_seed(0)
+    assert check_model(build_model(cfg), cfg, inputs, None, valid).passed
+    ignores_window = build_model(cfg.replace(attention_window=None))
+    assert not check_model(ignores_window, cfg, inputs, None, valid).passed

@@ -202,3 +202,21 @@ def test_cuda_flops_equal_meta():  # pragma: no cover - no GPU on the project's 
     meta = run_trace("tiny", "meta")[3]
     cuda = run_trace("tiny", "cuda")[3]
     assert [e.flops for e in meta] == [e.flops for e in cuda]
+
+
+def test_windowed_flops_count_only_the_band(cli):
+    """Effective FLOPs with a sliding window: the dense count minus the attention products of
+    the (query, key) pairs outside the band, counted here from an explicit band."""
+    import json
+
+    window, batch, length = 3, 2, 7
+    data = json.loads(cli("shapes", "--preset", "llama-tiny", "--set", f"attention_window={window}",
+                          "--batch-size", str(batch), "--tgt-len", str(length), "--json").stdout)
+    cfg = get_preset("llama-tiny")
+    i = torch.arange(length)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # written out here
+    per_pair = 2 * batch * cfg.n_heads * 2 * cfg.d_k  # Q·Kᵀ and weights·V, one (q, k) pair
+    outside = (length * length - int(band.sum())) * per_pair * cfg.n_decoder_layers
+    assert data["flops"]["forward_windowed"] == data["flops"]["forward"] - outside
+    dense = json.loads(cli("shapes", "--preset", "llama-tiny", "--json").stdout)
+    assert dense["flops"]["forward_windowed"] is None

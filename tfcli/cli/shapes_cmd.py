@@ -118,6 +118,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
 
     forward = events[0].flops
+    windowed = subject.windowed_flops(events) if hasattr(subject, "windowed_flops") else None
     if backward:  # a second pass, forward and backward, for the counter
         model.train()
         counter = count_with_flop_counter(
@@ -144,7 +145,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                       "convention": CONVENTION, "causal_half": causal_flops,
                       "flop_counter": counter.flop_counter, "flop_counter_corrected":
                           counter.corrected, "uncounted_ops": counter.missing,
-                      "formulas_registered": counter.registered, "differences": reasons},
+                      "formulas_registered": counter.registered, "differences": reasons,
+                      "forward_windowed": windowed},
         })
         return
     console = stdout()
@@ -166,4 +168,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                       f"{flops_text(counter.corrected)}")
     for reason in reasons:
         console.print(f"  remaining difference: {reason}")
+    if windowed is not None:
+        console.print(f"  effective with the sliding window (attention_window="
+                      f"{cfg.attention_window}): {flops_text(windowed)} forward — only the "
+                      f"(query, key) pairs the window allows; the figures above are dense")
 

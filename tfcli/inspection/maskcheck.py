@@ -33,24 +33,41 @@ class NamedMask:
 
 
 def mask_set(cfg: Config, src_valid: Tensor | None, tgt_valid: Tensor | None) -> list[NamedMask]:
+    """The masks tfcli's model builds for this batch, by the functions it calls itself."""
     out: list[NamedMask] = []
+    window = cfg.attention_window
     if cfg.has_encoder:
+        s = src_valid.size(1)
+        if window is not None:
+            out.append(NamedMask("encoder_window", "encoder sliding window",
+                                 f"query i may attend to keys j with |i - j| < {window}",
+                                 masks.sliding_window(s, window, False)[None, None], "src",
+                                 "src", False))
         out.append(NamedMask("encoder_self", "encoder self-attention",
-                             "source padding: every query may attend to every real source token",
-                             masks.encoder_self_mask(src_valid, src_valid.size(1)), "src", "src",
+                             "source padding: every query may attend to every real source token"
+                             if window is None else "sliding window AND source padding "
+                             "(what the model uses)",
+                             masks.encoder_self_mask(src_valid, s, window=window), "src", "src",
                              True))
     if cfg.has_decoder:
         t = tgt_valid.size(1)
+        structure = (NamedMask("decoder_causal", "decoder causal",
+                               "query i may attend to keys 0..i (itself and the past)",
+                               masks.causal(t)[None, None], "tgt", "tgt", False)
+                     if window is None else
+                     NamedMask("decoder_window", "decoder causal sliding window",
+                               f"query i may attend to keys j with i - {window} < j <= i",
+                               masks.sliding_window(t, window, True)[None, None], "tgt", "tgt",
+                               False))
         out += [
-            NamedMask("decoder_causal", "decoder causal",
-                      "query i may attend to keys 0..i (itself and the past)",
-                      masks.causal(t)[None, None], "tgt", "tgt", False),
+            structure,
             NamedMask("decoder_padding", "decoder target padding",
                       "every query may attend to every real target token",
                       masks.key_padding(tgt_valid), "tgt", "tgt", False),
             NamedMask("decoder_self", "decoder self-attention",
-                      "causal AND target padding (what the model uses)",
-                      masks.decoder_self_mask(tgt_valid, t), "tgt", "tgt", True),
+                      f"{'causal' if window is None else 'causal window'} AND target padding "
+                      f"(what the model uses)",
+                      masks.decoder_self_mask(tgt_valid, t, window=window), "tgt", "tgt", True),
         ]
     if cfg.has_encoder and cfg.has_decoder:
         out.append(NamedMask("cross", "cross-attention (memory)",

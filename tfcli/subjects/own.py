@@ -67,6 +67,23 @@ class OwnSubject(Subject):
     def model_dims(self, model=None) -> dict[str, int]:
         return dimension_names(self.cfg)
 
+    def windowed_flops(self, events) -> int | None:
+        """Forward FLOPs counting only the (query, key) pairs a sliding window allows (exact,
+        causal included), or None without a window. Cross-attention has no window."""
+        from tfcli.model.masks import allowed_pairs
+
+        window = self.cfg.attention_window
+        if window is None:
+            return None
+        total = events[0].flops
+        for e in events:
+            if e.type != "Attend" or e.path.endswith("cross_attn.attend"):
+                continue
+            (batch, heads, t, d_k), d_v = e.inputs[0], e.inputs[2][-1]
+            pairs = allowed_pairs(t, self.is_causal_scope(e.path), window)
+            total += 2 * batch * heads * pairs * (d_k + d_v) - e.attention_flops
+        return total
+
     def is_causal_scope(self, path: str) -> bool:
         return path.startswith("decoder.") and ".self_attn" in path  # decoder self-attention
 
@@ -83,9 +100,8 @@ def dimension_names(cfg: Config, batch: int | None = None, src_len: int | None =
     if cfg.has_decoder and tgt_len is not None:
         names["T"] = tgt_len
     names.update(h=cfg.n_heads, d_k=cfg.d_k, d_model=cfg.d_model, d_ff=cfg.d_ff)
-    n_kv = getattr(cfg, "n_kv_heads", None)
-    if n_kv and n_kv != cfg.n_heads:
-        names["h_kv"] = n_kv
+    if cfg.kv_heads != cfg.n_heads:
+        names["h_kv"] = cfg.kv_heads
     if cfg.embed_dim != cfg.d_model:
         names["d_embed"] = cfg.embed_dim
     vocab = {"V_src": cfg.src_vocab_size, "V_tgt": cfg.tgt_vocab_size}
