@@ -57,6 +57,10 @@ InputOpt = Annotated[Optional[list[str]], typer.Option(
 DimOpt = Annotated[Optional[list[str]], typer.Option(
     "--dim", metavar="NAME=SIZE", show_default=False,
     help="Size of a dimension letter used by --input, e.g. --dim S=128 (repeatable).")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", metavar="SIZE", show_default=False,
+    help="Memory a real run may use, e.g. 8GiB (default: what is available: MemAvailable, "
+         "the cgroup limit, RLIMIT_AS, CUDA free memory). A run estimated above it is refused.")]
 
 
 def resolve_config(preset: str | None, config: Path | None, overrides: list[str] | None):
@@ -69,6 +73,17 @@ def resolve_subject(preset, config, overrides, model, model_args, hf_class, inpu
     from tfcli.subjects import resolve_subject as resolve
 
     return resolve(preset, config, overrides, model, model_args, hf_class, inputs)
+
+
+def guard_run(subject, dims: dict[str, int], what: str, max_memory: str | None,
+              device: str = "cpu") -> None:
+    """Refuse a real run of ``subject`` at ``dims`` whose estimated bytes exceed what is
+    available (or --max-memory), before anything is allocated."""
+    from tfcli.guard import model_run_bytes, parse_size, require
+
+    limit = parse_size(max_memory) if max_memory is not None else None
+    need, how = model_run_bytes(subject, dims)
+    require(need, what, limit, device, how)
 
 
 def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | None,

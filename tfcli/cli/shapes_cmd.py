@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
-                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
-                               sizes, stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_run, int_list,
+                               print_json, resolve_subject, sizes, stdout)
 from tfcli.errors import TfcliError
 
 
@@ -53,6 +53,7 @@ def shapes(
         "--backward", help="Add backward FLOPs (2 × forward) and reconcile fwd+bwd.")] = False,
     causal_flops: Annotated[bool, typer.Option(
         "--causal-flops", help="Count only the useful half of causal attention.")] = False,
+    max_memory: MaxMemoryOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
@@ -69,6 +70,10 @@ def shapes(
     elif src_lens is not None or tgt_lens is not None:
         raise TfcliError("--src-lens/--tgt-lens pad tfcli's own model; for --model, see "
                          "`tfcli masks --lengths`")
+    if device.value == "meta" and max_memory is not None:
+        raise TfcliError("--max-memory bounds a real run; --device meta allocates nothing")
+    if device.value != "meta":  # estimated on fake tensors first: refused, not OOM-killed
+        guard_run(subject, dims, f"shapes --device {device.value}", max_memory, device.value)
     run_device, abstract = subject.abstract_run(device.value)
     with abstract:
         _trace_and_show(subject, run_device, device.value, dims, src_lens, tgt_lens, lengths,

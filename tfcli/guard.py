@@ -1,0 +1,207 @@
+"""Memory guards: estimate the bytes a real run needs and compare them with what this process
+may use, before allocating anything.
+
+On Linux an allocation larger than what is left is often granted, and the kernel's OOM killer
+ends the process later: nothing recorded, nothing printed. So anything that runs for real asks
+:func:`require` first; a single run is refused in one line (exit 2), a bench cell becomes a
+``skipped: needs X GiB, Y available`` record. ``--max-memory`` replaces the detected limit.
+
+What "available" means is the smallest of: the kernel's MemAvailable, the cgroup's limit minus
+its usage (v2 or v1), RLIMIT_AS minus this process's address space, and for CUDA the driver's
+free memory. Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from tfcli.errors import TfcliError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+# Above any machine: a cgroup "no limit" is 2^63 rounded to a page, RLIM_INFINITY is -1.
+_UNLIMITED = 2**60
+
+
+def parse_size(text: str, option: str = "--max-memory") -> int:
+    """``8GiB``, ``512MB``, ``1.5G`` or a plain number of bytes, as bytes."""
+    match = _SIZE.match(text or "")
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise TfcliError(f"{option} {text!r}: expected a size such as 8GiB, 512MiB or 2GB "
+                         f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1 or value > _UNLIMITED:
+        raise TfcliError(f"{option} {text!r}: must be between 1 byte and 1 EiB")
+    return int(value)
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as a short human figure: 1.2 GiB, 340 MiB, 12 KiB."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    source: str  # what bounds it, e.g. "MemAvailable", "RLIMIT_AS", "--max-memory"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return _UNLIMITED if text == "max" else (int(text) if text.isdigit() else None)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_available() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1); None if unlimited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read(65536).splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            candidates = [("/sys/fs/cgroup" + path).rstrip("/"), "/sys/fs/cgroup"]
+            files = ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            candidates = [("/sys/fs/cgroup/memory" + path).rstrip("/"), "/sys/fs/cgroup/memory"]
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for base in candidates:  # inside a container the path is often the mount's root
+            limit, usage = (_read_int(f"{base}/{name}") for name in files)
+            if limit is not None and usage is not None:
+                if limit < _UNLIMITED:
+                    return max(0, limit - usage)
+                break
+    return None
+
+
+def _address_space_available() -> int | None:
+    """RLIMIT_AS minus the address space already mapped (VmSize)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    used = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    used = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(0, soft - used)
+
+
+def available(device: str = "cpu", max_memory: int | None = None) -> Budget:
+    """What a run on ``device`` may allocate: ``max_memory`` when given, else the tightest
+    limit this process is under."""
+    if max_memory is not None:
+        return Budget(max_memory, "--max-memory")
+    found: list[Budget] = []
+    if str(device).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            index = torch.device(device).index
+            free, _ = torch.cuda.mem_get_info(index if index is not None else 0)
+            found.append(Budget(free, "CUDA free memory"))
+    else:
+        for value, source in ((_meminfo_available(), "MemAvailable"),
+                              (_cgroup_available(), "cgroup limit"),
+                              (_address_space_available(), "RLIMIT_AS")):
+            if value is not None:
+                found.append(Budget(value, source))
+    return min(found, key=lambda b: b.bytes) if found else Budget(_UNLIMITED, "no limit found")
+
+
+def shortfall(nbytes: int, device: str = "cpu", max_memory: int | None = None) -> str | None:
+    """None if ``nbytes`` fit on ``device``, else ``needs X GiB, Y available (source)``."""
+    budget = available(device, max_memory)
+    if nbytes <= budget.bytes:
+        return None
+    return f"needs {gib(nbytes)}, {gib(budget.bytes)} available ({budget.source})"
+
+
+def require(nbytes: int, what: str, max_memory: int | None = None, device: str = "cpu",
+            how: str = "") -> None:
+    """Refuse, in one line naming the estimate and the limit, a run that would not fit."""
+    budget = available(device, max_memory)
+    if nbytes > budget.bytes:
+        hint = ("" if budget.source == "--max-memory"
+                else "; use smaller sizes, or --max-memory SIZE if the limit is wrong")
+        raise TfcliError(f"{what} needs an estimated {gib(nbytes)}" + (f" ({how})" if how else "")
+                         + f", but {gib(budget.bytes)} is available on {device} "
+                           f"({budget.source}){hint}")
+
+
+# --- estimates --------------------------------------------------------------------------------
+
+
+def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32") -> tuple[int, str]:
+    """Bytes of building ``subject`` for real and running one training step at ``sizes``
+    (a forward alone needs less): weights and buffers, gradients, and the activation peak of a
+    fake-tensor replay. Nothing is allocated to find out."""
+    import torch
+
+    from tfcli.inspection.memory import DTYPES, estimate_activations
+
+    device, abstract = subject.abstract_run("meta")
+    with abstract:
+        model = subject.build(device, DTYPES[dtype] if dtype != "fp32" else None)
+        weights = sum(t.numel() * t.element_size()
+                      for t in [*model.parameters(), *model.buffers()])
+        inputs = sum(t.numel() * t.element_size()
+                     for t in subject.make_inputs(model, sizes, device).tensors())
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    del model
+    try:
+        activations = estimate_activations(subject, sizes, dtype)[0].peak_bytes
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        raise
+    except Exception:  # a model the replay cannot run: weights, gradients and inputs only
+        activations = 0
+    total = weights + grads + inputs + activations
+    return total, (f"weights {gib(weights)} + gradients {gib(grads)} + inputs {gib(inputs)} + "
+                   f"activations {gib(activations)}")
+
+
+def attention_cell_bytes(kernel: str, which: str, batch: int, heads: int, head_dim: int,
+                         length: int, element_size: int) -> int:
+    """A closed form for one attention cell: q, k, v and the output (with their gradients
+    when backward runs) plus [B, h, L, L] matrices, which only the explicit kernels (and the
+    math path) materialise; the fused ones are charged one for their workspace."""
+    backward = which != "fwd"
+    vectors = batch * heads * length * head_dim * (8 if backward else 4)
+    squares = batch * heads * length * length * (
+        (4 if backward else 2) if kernel in ("naive", "sdpa-math") else 1)
+    return (vectors + squares) * element_size
