@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
-                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
-                               sizes, stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_run, int_list,
+                               print_json, resolve_subject, sizes, stdout)
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
@@ -73,6 +73,7 @@ def masks(
     png: Annotated[Optional[Path], typer.Option(
         metavar="FILE", show_default=False,
         help="Also draw the grids into a PNG (needs the 'plot' extra: matplotlib).")] = None,
+    max_memory: MaxMemoryOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Padding, causal, combined and cross-attention masks for an example batch."""
@@ -89,7 +90,7 @@ def masks(
             raise TfcliError("--src-lens/--tgt-lens/--src-ids/--tgt-ids describe tfcli's own "
                              "model's batch; for --model use --lengths NAME=N,N and --pad-id")
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
-                   check, max_grid, json_out)
+                   check, max_grid, json_out, max_memory)
         return
     if causal or lengths or dim:
         raise TfcliError("--causal, --lengths and --dim apply to --model; tfcli's own model "
@@ -134,6 +135,18 @@ def masks(
         raise TfcliError(f"--batch-index {batch_index}: the batch has {batch_size} sequences "
                          f"(0..{batch_size - 1})")
 
+    # Every grid is built whole (B × queries × keys: the mask, its expanded copy, a converted
+    # one; JSON spells out each value): refuse what cannot be held before building any.
+    longest = max(v.size(1) for v in valid.values())
+    grids = (6 * batch_size * longest**2 * (50 if json_out else 6), "mask grids")
+    guard_run(None, None, "masks", max_memory, extra=grids)
+    if check:
+        from tfcli.subjects.own import OwnSubject
+
+        guard_run(OwnSubject(cfg.replace(attention="naive")),
+                  {"B": batch_size, "S": valid["src"].size(1) if "src" in valid else 1,
+                   "T": valid["tgt"].size(1) if "tgt" in valid else 1},
+                  "masks --check", max_memory, extra=grids)
     src_valid, tgt_valid = valid.get("src"), valid.get("tgt")
     named = mask_set(cfg, src_valid, tgt_valid)
     items = []
@@ -201,7 +214,7 @@ def _to_json(cfg, items, valid, convention, report) -> dict:
 
 def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int | None,
                dim: list[str] | None, batch_index: int, convention: Convention, check: bool,
-               max_grid: int, json_out: bool) -> None:
+               max_grid: int, json_out: bool, max_memory: str | None = None) -> None:
     """Any model: the masks its attention calls applied, and with --check the checks that
     need only inputs and outputs (see tfcli.inspection.anycheck)."""
     import torch
@@ -226,6 +239,7 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         longest = max(lens)
         for letter in _letters_of(subject, name):
             dims[letter] = max(longest, 1)
+    guard_run(subject, dims, "masks --model (built on cpu)", max_memory)
     torch.manual_seed(0)
     model = subject.build("cpu").eval()
     inputs = subject.make_inputs(model, dims, "cpu")
