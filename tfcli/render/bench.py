@@ -9,6 +9,7 @@ from rich.table import Table
 
 from tfcli.bench.sweep import Fit, Record
 from tfcli.render import human_bytes
+from tfcli.render.columns import Col, fit_table, left_out_line
 
 FLOP_CONVENTION = ("FLOPs: 2 × multiply-accumulates of matrix products; backward = 2 × forward; "
                    "causal attention counts half")
@@ -26,6 +27,40 @@ def record_line(r: Record) -> str:
             f"{(r.flops_per_s or 0) / 1e9:.1f} GFLOP/s")
 
 
+def _columns(shown: list[Record], model: bool, with_peak: bool) -> list[Col]:
+    """The table's columns in display order, ranked by importance (0 first): L, kernel, pass,
+    median, peak memory and GFLOP/s are what a sweep is for; B and device tell rows apart where
+    they vary; a status other than "ok" outranks the rest; "ok" everywhere goes first."""
+    failed = any(r.status != "ok" for r in shown)
+    cols = [
+        Col("L", 0, [str(r.seq_len) for r in shown], justify="right"),
+        Col("B", 1, [str(r.batch_size) for r in shown], justify="right"),
+        Col("kernel → ran", 0, [f"{r.kernel} → {r.kernel_ran or '?'}" for r in shown],
+            short="kernel→ran"),
+        Col("pass", 0, [r.pass_ for r in shown]),
+        Col("device", 1, [f"{r.device} {r.dtype}" for r in shown]),
+        Col("median ms", 2, [_ms(r.median_s) for r in shown], short="med ms", justify="right"),
+        Col("IQR ms (n)", 6, [f"{_ms(r.iqr_s)} ({r.n})" for r in shown], short="IQR (n)",
+            justify="right"),
+        Col("peak mem", 3, [human_bytes(r.peak_bytes) if r.peak_bytes is not None else "—"
+                            for r in shown], short="peak", justify="right"),
+        Col("GFLOP/s", 4, [f"{r.flops_per_s / 1e9:.1f}" if r.flops_per_s else "—" for r in shown],
+            short="GF/s", justify="right"),
+        Col("% peak", 7, [f"{r.pct_peak:.0f}%" if r.pct_peak is not None else "—"
+                          for r in shown], short="%pk", justify="right"),
+        Col("attn", 8, [f"{100 * r.attention_share:.0f}%" if r.attention_share is not None
+                        else "—" for r in shown], justify="right"),
+        Col("tokens/s", 9, [f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—" for r in shown],
+            short="tok/s", justify="right"),
+        Col("status", 5 if failed else 10, [r.status for r in shown],
+            wrap=min(16, max(len(r.status) for r in shown)) if shown else None),
+    ]
+    keep = {"B": len({r.batch_size for r in shown}) > 1,
+            "device": len({(r.device, r.dtype) for r in shown}) > 1,
+            "% peak": with_peak, "attn": model}
+    return [c for c in cols if keep.get(c.name, True)]
+
+
 def render(records: list[Record], fitted: list[Fit], env: dict, console: Console,
            interrupted: bool) -> None:
     shown = [r for r in records if not r.status.startswith(("skipped", "unsupported"))]
@@ -38,32 +73,11 @@ def render(records: list[Record], fitted: list[Fit], env: dict, console: Console
     title = f"tfcli bench: {records[0].what if records else ''}"
     title += f", B = {batches.pop()}" if len(batches) == 1 else ""
     title += f", {devices.pop()}" if len(devices) == 1 else ""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    columns = (["L"] + (["B"] if len({r.batch_size for r in shown}) > 1 else [])
-               + ["kernel → ran", "pass"]
-               + (["device"] if len({(r.device, r.dtype) for r in shown}) > 1 else [])
-               + ["median ms", "IQR ms (n)", "peak mem", "GFLOP/s"]
-               + (["% peak"] if with_peak else []) + (["attn"] if model else [])
-               + ["tokens/s", "status"])
-    kernel_width = max((len(f"{r.kernel} → {r.kernel_ran or '?'}") for r in shown), default=12)
-    for name in columns:
-        left = name in ("kernel → ran", "pass", "device", "status")
-        table.add_column(name, justify="left" if left else "right", no_wrap=name != "status",
-                         min_width=kernel_width if name == "kernel → ran" else None)
-    for r in shown:
-        cells = {
-            "L": str(r.seq_len), "B": str(r.batch_size),
-            "kernel → ran": f"{r.kernel} → {r.kernel_ran or '?'}", "pass": r.pass_,
-            "device": f"{r.device} {r.dtype}", "median ms": _ms(r.median_s),
-            "IQR ms (n)": f"{_ms(r.iqr_s)} ({r.n})",
-            "peak mem": human_bytes(r.peak_bytes) if r.peak_bytes is not None else "—",
-            "GFLOP/s": f"{r.flops_per_s / 1e9:.1f}" if r.flops_per_s else "—",
-            "% peak": f"{r.pct_peak:.0f}%" if r.pct_peak is not None else "—",
-            "attn": f"{100 * r.attention_share:.0f}%" if r.attention_share is not None else "—",
-            "tokens/s": f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—", "status": r.status,
-        }
-        table.add_row(*(cells[c] for c in columns))
+    table, left_out = fit_table(_columns(shown, model, with_peak), console, title=title,
+                                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     console.print(table)
+    if left_out:
+        console.print(left_out_line(left_out, console.width))
     not_run = {}
     for r in records:
         if r not in shown:

@@ -13,6 +13,7 @@ from rich.text import Text
 from tfcli.inspection.memory import MemoryLine
 from tfcli.inspection.params import LayerRow, ParamReport
 from tfcli.render import count, human_bytes, percent
+from tfcli.render.columns import Col, fit_table, left_out_line
 
 
 @dataclass
@@ -109,15 +110,19 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
     total = report.total_params
     parts = []
     if rows:
-        table = Table(title=title, title_justify="left")
-        for name, just in (("module", "left"), ("type", "left"), ("parameter shapes", "left"),
-                           ("params", "right"), ("share", "right"), ("train", "left")):
-            table.add_column(name, justify=just, overflow="fold",
-                             min_width=24 if name == "parameter shapes" else None)
-        for r in rows:
-            table.add_row(Text("  " * (r.depth - 1) + r.name), r.type, r.shapes, count(r.params),
-                          percent(r.params, total), _trainable(r.trainable))
+        # Ranked: module, count and trainability first (the "train" column must survive 80
+        # columns); shapes wrap and are the first to go.
+        table, left_out = fit_table([
+            Col("module", 0, [Text("  " * (r.depth - 1) + r.name) for r in rows]),
+            Col("type", 4, [r.type for r in rows]),
+            Col("parameter shapes", 5, [r.shapes for r in rows], short="shapes", wrap=18),
+            Col("params", 1, [count(r.params) for r in rows], justify="right"),
+            Col("share", 3, [percent(r.params, total) for r in rows], justify="right"),
+            Col("train", 2, [_trainable(r.trainable) for r in rows]),
+        ], console, title=title, title_justify="left")
         parts.append(table)
+        if left_out:
+            parts.append(Text(left_out_line(left_out, console.width)))
 
     accounted = sum(r.accounted for r in rows) if rows else total
     ok = accounted == total == report.check_total
@@ -163,10 +168,17 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
     mem = Table(title="memory", title_justify="left")
     for name, just in (("what", "left"), ("bytes", "right"), ("how", "left")):
         mem.add_column(name, justify=just, overflow="fold", no_wrap=name == "bytes")
-    for line in memory:
+    parts_only = [m for m in memory if not m.summary]
+    for line in parts_only:
         mem.add_row(line.name, human_bytes(line.bytes), line.how)
-    mem.add_row(Text("total", style="bold"), Text(human_bytes(sum(m.bytes for m in memory)),
-                                                  style="bold"), "sum of the lines above")
+    peaks = [m for m in memory if m.summary]
+    mem.add_row(Text("total", style="bold"), Text(human_bytes(sum(m.bytes for m in parts_only)),
+                                                  style="bold"),
+                "sum of the lines above" + (" (an upper bound: gradients and activations are "
+                                            "not all alive at once)" if peaks else ""))
+    for line in peaks:
+        mem.add_row(Text(line.name, style="bold"), Text(human_bytes(line.bytes), style="bold"),
+                    line.how)
     parts.append(mem)
     if activations_how:
         parts.append(Text(f"activations: {activations_how}"))

@@ -1,0 +1,91 @@
+"""Renderers at the widths people use: tables fit 80 and 120 columns without cutting a cell,
+bench tables from fixed records (golden), plots and mask pictures."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from tfcli.bench.sweep import Record, fits
+from tfcli.render.bench import render as render_bench
+
+
+def console(width: int) -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, width=width, no_color=True, markup=False, highlight=False,
+                   force_terminal=False), out
+
+
+def fixed_records(kernels=("naive", "sdpa"), status: dict | None = None) -> list[Record]:
+    """A sweep's records with round numbers: time ∝ L² (naive and sdpa), memory ∝ L² / L."""
+    records = []
+    for pass_ in ("fwd", "fwdbwd"):
+        for kernel in kernels:
+            for i, length in enumerate((256, 512, 1024, 2048)):
+                r = Record("attention", length, 1, kernel, pass_, "cpu", "fp32", 1)
+                r.kernel_ran = {"naive": "matmul+softmax", "sdpa": "flash (cpu)"}[kernel]
+                scale = (3 if pass_ == "fwdbwd" else 1) * (1 if kernel == "sdpa" else 3)
+                r.median_s = scale * 1e-3 * 4 ** i
+                r.iqr_s = r.median_s * 0.02
+                r.n = r.runs = 12
+                r.samples_s = [r.median_s * (1 + 0.01 * ((k % 5) - 2)) for k in range(12)]
+                r.peak_bytes = int(2**20 * (4 ** i if kernel == "naive" else 2 ** i))
+                r.memory_method = "profiler allocation events"
+                r.flops = scale * 4 * 8 * length * length * 64
+                r.flops_per_s = r.flops / r.median_s
+                r.tokens_per_s = length / r.median_s
+                r.pct_peak = 100 * r.flops_per_s / 200e9
+                r.status = (status or {}).get((kernel, pass_, length), "ok")
+                records.append(r)
+    return records
+
+
+ENV = {"threads": 1, "torch": "2.13.0+cpu"}
+
+
+def bench_text(width: int, records: list[Record]) -> str:
+    con, out = console(width)
+    render_bench(records, fits(records), ENV, con, interrupted=False)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_bench_table_golden(golden, width):
+    records = fixed_records(status={("sdpa", "fwdbwd", 2048): "OOM"})
+    golden(f"bench_{width}.txt", bench_text(width, records))
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_bench_table_fits_and_keeps_the_important_columns(width):
+    text = bench_text(width, fixed_records())
+    header = next(line for line in text.splitlines() if " kernel" in line)
+    assert "…" not in text
+    assert all(len(line) <= width for line in text.splitlines())
+    for name in ("L", "pass", "GF"):
+        assert name in header.split() or any(w.startswith(name) for w in header.split()), header
+    assert "med" in header and "peak" in header
+    if width >= 100:  # a status column that says "ok" everywhere may go, but says so
+        assert "status" in header or "left out to fit 100 columns: status" in text
+
+
+def test_a_failed_cell_keeps_its_status_at_80_columns():
+    text = bench_text(80, fixed_records(status={("naive", "fwd", 512): "OOM"}))
+    assert "OOM" in text and "status" in text.splitlines()[2]
+
+
+def test_left_out_columns_are_named():
+    text = bench_text(80, fixed_records())
+    assert "left out to fit 80 columns: " in text and "tokens/s" in text
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_params_table_fits_with_its_train_column(cli, golden, width):
+    result = cli("params", "--preset", "tiny", "--set", "tie_embeddings=tgt_output",
+                 "--freeze", "encoder.layers.1", env={"COLUMNS": str(width), "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.stderr
+    table = result.stdout.split("\n\n")[0]
+    assert "…" not in result.stdout and "train" in table.splitlines()[2] and "frozen" in table
+    assert all(len(line) <= width for line in table.splitlines())
+    golden(f"params_tiny_{width}.txt", result.stdout)
