@@ -193,3 +193,99 @@ def test_bad_options(cli, args, message):
     result = cli("params", "--preset", "tiny", *args)
     assert result.exit_code == 2 and message in result.stderr, result.stderr
     assert result.stdout == "" and result.stderr.count("\n") == 1
+
+
+STEP_CASES = [  # encoder-decoder, decoder-only, encoder-only, autocast bf16
+    ("tiny", {}, None),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), None),
+    ("bert-base", dict(n_encoder_layers=2, src_vocab_size=1000), None),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), "bf16"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,mixed", STEP_CASES)
+def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mixed):
+    """Forward, backward, AdamW's step and zero_grad(set_to_none=True), after one warm-up step
+    (the optimizer state exists): the replay against the CPU profiler's peak of the real step."""
+    from tfcli.inspection.memory import DTYPES, estimate_step_peak
+
+    subject = OwnSubject(get_preset(name).replace(**overrides))
+    sizes = dict(B=2, S=48, T=48)
+    estimate = estimate_step_peak(subject, sizes, "fp32", mixed, "adamw")
+    torch.manual_seed(0)
+    model = subject.build("cpu").train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    inputs = subject.make_inputs(model, sizes, "cpu")
+
+    def step():
+        with torch.autocast("cpu", dtype=DTYPES[mixed or "bf16"], enabled=mixed is not None):
+            out = subject.loss(inputs(model))
+        out.backward()
+        del out
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    assert estimate == pytest.approx(profile_peak_bytes(step), rel=0.02)
+
+
+@pytest.mark.parametrize("kernel,backend", [("math", "MATH"), ("flash", "FLASH_ATTENTION")])
+def test_activations_for_an_assumed_kernel_match_the_profiler(kernel, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = get_preset("tiny").replace(dropout=0.0)
+    subject = OwnSubject(cfg)
+    estimate, _ = estimate_activations(subject, dict(B=2, S=40, T=40), kernel=kernel)
+    model = build_model(cfg).train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inputs = subject.make_inputs(model, dict(B=2, S=40, T=40), "cpu")
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        measured = profile_peak_bytes(lambda: subject.loss(inputs(model)).backward())
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
+    quadratic = estimate.saved_bytes.get("attention matrices", 0)
+    assert (quadratic > 0) == (kernel == "math")
+
+
+def test_params_peak_line_and_the_gpu_kernel(cli):
+    data = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
+                          "2", "--depth", "0", "--json").stdout)
+    lines = {m["name"]: m for m in data["memory"]}
+    parts = sum(m["bytes"] for m in data["memory"] if not m["summary"])
+    peak = lines["peak of a training step"]
+    assert peak["summary"] and peak["bytes"] < parts  # gradients and activations do not add up
+    assert lines["activations: attention matrices"]["bytes"] > 0  # CPU, dropout 0.1: math
+    gpu = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
+                         "2", "--depth", "0", "--device", "cuda", "--json").stdout)
+    gpu_lines = {m["name"]: m["bytes"] for m in gpu["memory"]}
+    assert gpu_lines["activations: attention matrices"] == 0  # a fused GPU kernel stores none
+    assert "kernel: efficient, on cuda" in gpu["activations_method"]  # fp32: not flash
+    kept = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
+                          "2", "--depth", "0", "--keep-grads", "--json").stdout)
+    kept_peak = {m["name"]: m["bytes"] for m in kept["memory"]}["peak of a training step"]
+    assert kept_peak > peak["bytes"]
+
+
+@pytest.mark.parametrize("preset,gib", [("llama-2-7b", 2.0), ("llama-3-8b", 0.5)])
+def test_inference_kv_cache(cli, preset, gib):
+    result = cli("params", "--preset", preset, "--inference", "--seq-len", "4096",
+                 "--batch-size", "1", "--dtype", "fp16", "--depth", "0", "--json")
+    assert result.exit_code == 0, result.stderr
+    lines = {m["name"]: m["bytes"] for m in json.loads(result.stdout)["memory"]}
+    assert lines["KV cache"] == gib * 2**30
+    assert lines["prefill working set"] > lines["decode step working set"] > 0
+    assert "gradients" not in lines
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--keep-grads"], "--keep-grads applies"),
+    (["--device", "cuda"], "add --seq-len"),
+    (["--inference"], "add --seq-len"),
+    (["--seq-len", "8", "--kv-dtype", "fp16"], "--kv-dtype applies to --inference"),
+    (["--seq-len", "8", "--attention-kernel", "flash"], "takes no dropout"),
+    (["--attention-kernel", "fast"], "fast"),
+])
+def test_params_memory_options_bad_input(cli, args, words):
+    result = cli("params", "--preset", "gpt2-small", *args)
+    assert result.exit_code == 2 and words in result.stderr
+    assert result.stderr.count("\n") == 1

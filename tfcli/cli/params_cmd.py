@@ -37,6 +37,18 @@ class BuildDevice(str, Enum):
     cpu = "cpu"
 
 
+class TrainDevice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Kernel(str, Enum):
+    auto = "auto"
+    math = "math"
+    flash = "flash"
+    efficient = "efficient"
+
+
 def params(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
@@ -61,14 +73,30 @@ def params(
         min=1, show_default=False,
         help="Sequence length (source and target; every length letter of --input) for the "
              "activation lines; without it activations are not estimated.")] = None,
-    device: Annotated[BuildDevice, typer.Option(
+    device: Annotated[TrainDevice, typer.Option(
+        help="The device you will run on, for the activation lines: it decides which SDPA "
+             "kernel --attention-kernel auto means.")] = TrainDevice.cpu,
+    attention_kernel: Annotated[Kernel, typer.Option(
+        help="SDPA kernel assumed for activations: math keeps [B, h, T, S] scores and weights; "
+             "flash/efficient keep only a [B, h, T] log-sum-exp; auto is what SDPA picks on "
+             "--device.")] = Kernel.auto,
+    keep_grads: Annotated[bool, typer.Option(
+        "--keep-grads", help="The peak line with gradients kept between steps "
+                             "(zero_grad(set_to_none=False)).")] = False,
+    inference: Annotated[bool, typer.Option(
+        "--inference", help="Inference memory instead of training: weights, KV cache, and "
+                            "the working sets of a prefill of --seq-len tokens and of one "
+                            "decode step (tfcli's own model).")] = False,
+    kv_dtype: Annotated[Optional[DType], typer.Option(
+        show_default=False, help="KV cache dtype with --inference (default: --dtype).")] = None,
+    build_on: Annotated[BuildDevice, typer.Option(
         help="Where to build the model for counting: meta allocates nothing; cpu for a --model "
              "that cannot be built on meta.")] = BuildDevice.meta,
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
     from tfcli.errors import TfcliError
-    from tfcli.inspection.memory import estimate_activations, training_memory
+    from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
@@ -76,29 +104,71 @@ def params(
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
+    if seq_len is None:
+        given = [o for o, v in (("--device cuda", device is TrainDevice.cuda),
+                                ("--attention-kernel", attention_kernel is not Kernel.auto),
+                                ("--keep-grads", keep_grads), ("--inference", inference))
+                 if v]
+        if given:
+            raise TfcliError(f"{given[0]} applies to the memory of a step: add --seq-len L "
+                             f"(and --batch-size B)")
+    if kv_dtype is not None and not inference:
+        raise TfcliError("--kv-dtype applies to --inference")
+    if inference and cfg is None:
+        raise TfcliError("--inference needs tfcli's own configuration (its KV cache comes from "
+                         "n_decoder_layers, kv heads and d_k); use --preset/--config/--set")
     if cfg is not None and seq_len is not None and seq_len > cfg.max_seq_len \
-            and cfg.positional != "none":
+            and cfg.positional not in ("none", "rope"):
         raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
                          f"raise it with --set max_seq_len={seq_len}")
     if seq_len is not None and dtype is DType.int8 and not mixed:
         raise TfcliError("--seq-len with --dtype int8: activations need a floating dtype "
                          "(int8 is counted for weights only)")
-    model = subject.build(device.value)
+    kernel = attention_kernel.value
+    if kernel == "auto" and device is TrainDevice.cuda:
+        kernel = "flash"  # flash or efficient: both keep only the log-sum-exp
+    if kernel in ("flash", "efficient") and device is TrainDevice.cpu and cfg is not None \
+            and cfg.dropout > 0:
+        raise TfcliError(f"--attention-kernel {kernel} on --device cpu with dropout="
+                         f"{cfg.dropout}: the CPU flash kernel takes no dropout (SDPA falls "
+                         f"back to math); size a GPU run with --device cuda")
+    model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model)
 
-    activations, how = None, ""
+    activations, how, memory = None, "", []
     if seq_len is not None:
         dims = sizes(subject, batch_size, seq_len, seq_len, dim, seq_len)
-        activations, how = estimate_activations(subject, dims, dtype.value, mixed)
-    memory = training_memory(report.total_params, report.trainable_params, report.buffer_numel,
-                             dtype.value, optimizer.value, mixed, activations)
+        assumed = mem.assumed_kernel(attention_kernel.value, device.value, dtype.value, mixed,
+                                     cfg.dropout if cfg is not None else None)
+        if cfg is not None and cfg.attention == "naive":
+            assumed = "naive path (matmul + softmax, no SDPA): math"
+        if inference:
+            memory = mem.training_memory(report.total_params, 0, report.buffer_numel,
+                                         dtype.value, optimizer.value, None, None)[:2]
+            memory += mem.inference_lines(subject, dims, dtype.value,
+                                          (kv_dtype or dtype).value, kernel)
+            how = f"attention kernel: {assumed}, on {device.value}"
+        else:
+            activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
+                                                        kernel)
+            how += f"; attention kernel: {assumed}, on {device.value}"
+    if not inference:
+        memory = mem.training_memory(report.total_params, report.trainable_params,
+                                     report.buffer_numel, dtype.value, optimizer.value, mixed,
+                                     activations)
+        if activations is not None and not (dtype is DType.int8 and not mixed):
+            by = {m.name: m.bytes for m in memory}
+            memory.append(mem.training_peak_line(
+                subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
+                by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"]))
     if json_out:
         data = report.to_dict()
         data["buffers"] = [dict(b) for b in data["buffers"]]
         data.update(buffer_elements=report.buffer_numel,
                     bytes={m.name: m.bytes for m in memory},
-                    memory=[{"name": m.name, "bytes": m.bytes, "how": m.how} for m in memory],
+                    memory=[{"name": m.name, "bytes": m.bytes, "how": m.how,
+                             "summary": m.summary} for m in memory],
                     activations_method=how or None,
                     dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
                     subject=subject.describe())

@@ -108,7 +108,7 @@ def simulate_training_step(build: Callable[[], nn.Module],
                            make_inputs: Callable[[nn.Module], object],
                            loss: Callable[[object], Tensor],
                            autocast_dtype: torch.dtype | None = None,
-                           device: str = "cpu") -> ActivationEstimate:
+                           device: str = "cpu", kernel: str = "auto") -> ActivationEstimate:
     """Peak activation bytes of ``loss(model(inputs)).backward()`` with gradients already
     allocated (they are accounted for separately), computed on fake tensors. ``make_inputs``
     returns a dict of keyword arguments or an ``Inputs``."""
@@ -136,12 +136,132 @@ def simulate_training_step(build: Callable[[], nn.Module],
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            with amp, OpObserver(saved.on_op):
+            with amp, attention_kernel(kernel), OpObserver(saved.on_op):
                 out = loss(inputs(model))
             sums = saved.sums()
             out.backward()
             del out
     return ActivationEstimate(live.peak, sums)
+
+
+# --- the attention kernel a replay assumes -----------------------------------------------------
+
+KERNELS = ("auto", "math", "flash", "efficient")
+
+
+class _FusedLikeGPU(torch.overrides.TorchFunctionMode):
+    """SDPA as a fused GPU kernel holds it: no dropout mask is stored (the kernel regenerates it
+    from the RNG state), so the replay runs SDPA without dropout, on the CPU flash kernel,
+    which keeps what the GPU kernels keep: the output and a [B, h, T] log-sum-exp."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def attention_kernel(kernel: str):
+    """Run SDPA as ``kernel`` would: "auto" leaves the device's own choice (on the CPU: flash
+    with dropout 0, else math), "math" materialises [B, h, T, S], "flash"/"efficient" keep
+    only the log-sum-exp. Attention written out (matmul + softmax) is unaffected: it is math."""
+    if kernel == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if kernel == "math":
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+        return
+    with _FusedLikeGPU(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        yield
+
+
+def assumed_kernel(kernel: str, device: str, dtype: str, mixed: str | None,
+                   dropout: float | None) -> str:
+    """What --attention-kernel resolves to, in words, for the memory line."""
+    if kernel != "auto":
+        return kernel
+    if device == "cuda":
+        half = (mixed or dtype) in ("bf16", "fp16")
+        return "flash" if half else "efficient"  # what SDPA picks on recent GPUs, no mask
+    return "math (CPU falls back to it with dropout > 0)" if dropout else "flash (CPU)"
+
+
+# --- a whole training step, and inference ------------------------------------------------------
+
+
+def _optimizer(name: str, params: list):
+    if name == "adam":
+        return torch.optim.Adam(params)
+    if name == "adamw":
+        return torch.optim.AdamW(params)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0)
+
+
+def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
+                  loss: Callable[[object], Tensor], optimizer: str,
+                  autocast_dtype: torch.dtype | None = None, device: str = "cpu",
+                  kernel: str = "auto", keep_grads: bool = False) -> int:
+    """Peak bytes of one steady-state training step as PyTorch's default loop runs it —
+    forward; backward, gradients allocated as produced while activations are freed;
+    ``optimizer.step()`` with its temporaries; ``zero_grad(set_to_none=not keep_grads)`` —
+    above the weights, buffers, optimizer state, inputs (and kept gradients), which exist
+    before the step. Replayed on fake tensors: nothing is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.subjects.base import Inputs
+
+    with FakeTensorMode():
+        model = build().train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = _optimizer(optimizer, trainable)
+        for p in trainable:  # one step on zero gradients creates the optimizer's state
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=not keep_grads)
+        inputs = make_inputs(model)
+        if not isinstance(inputs, Inputs):
+            inputs = Inputs((), dict(inputs))
+        state = [t for st in opt.state.values() for t in st.values() if isinstance(t, Tensor)]
+        existing = [*model.parameters(), *model.buffers(), *state, *inputs.tensors(),
+                    *(p.grad for p in trainable if p.grad is not None)]
+        live = _LiveStorages(existing)
+        del existing, state
+        amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        with live:
+            with amp, attention_kernel(kernel):
+                out = loss(inputs(model))
+            out.backward()
+            del out
+            opt.step()
+            opt.zero_grad(set_to_none=not keep_grads)
+    return live.peak
+
+
+def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
+                     kernel: str = "auto") -> int:
+    """Peak bytes above weights and inputs of one inference forward (eval, no grad)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.subjects.base import Inputs
+
+    with FakeTensorMode():
+        model = build().eval()
+        inputs = make_inputs(model)
+        if not isinstance(inputs, Inputs):
+            inputs = Inputs((), dict(inputs))
+        live = _LiveStorages([*model.parameters(), *model.buffers(), *inputs.tensors()])
+        with live, torch.no_grad(), attention_kernel(kernel):
+            out = inputs(model)
+            del out
+    return live.peak
 
 
 @contextlib.contextmanager
@@ -199,6 +319,7 @@ class MemoryLine:
     name: str
     bytes: int
     how: str
+    summary: bool = False  # a figure over the components (a peak), not one more component
 
 
 def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,
@@ -232,16 +353,79 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
     return lines
 
 
+def _replay_args(subject, sizes: dict[str, int], dtype: str):
+    build = lambda: subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None)  # noqa: E731
+    return build, (lambda model: subject.make_inputs(model, sizes, "cpu"))
+
+
+def _sizes_text(subject, sizes: dict[str, int]) -> str:
+    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.length_dims())
+    return f"B={sizes['B']}" + (f", {lengths}" if lengths else "")
+
+
 def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
-                         mixed: str | None = None) -> tuple[ActivationEstimate, str]:
+                         mixed: str | None = None,
+                         kernel: str = "auto") -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
     and a line saying how it was found."""
-    estimate = simulate_training_step(
-        lambda: subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None),
-        lambda model: subject.make_inputs(model, sizes, "cpu"),
-        subject.loss, autocast_dtype=DTYPES[mixed] if mixed else None)
-    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.length_dims())
-    how = (f"fake-tensor replay of forward+backward with CPU kernels, B={sizes['B']}"
-           + (f", {lengths}" if lengths else "") + f", {subject.loss_name()}"
-           + (f", autocast {mixed}" if mixed else ""))
+    build, make_inputs = _replay_args(subject, sizes, dtype)
+    estimate = simulate_training_step(build, make_inputs, subject.loss,
+                                      autocast_dtype=DTYPES[mixed] if mixed else None,
+                                      kernel=kernel)
+    how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
+           f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else ""))
     return estimate, how
+
+
+def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
+                       optimizer: str, kernel: str = "auto", keep_grads: bool = False) -> int:
+    build, make_inputs = _replay_args(subject, sizes, dtype)
+    return simulate_step(build, make_inputs, subject.loss, optimizer,
+                         DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads)
+
+
+def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto") -> int:
+    build, make_inputs = _replay_args(subject, sizes, dtype)
+    return simulate_forward(build, make_inputs, kernel)
+
+
+def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
+                       optimizer: str, kernel: str, keep_grads: bool, resident: int,
+                       grads: int) -> MemoryLine:
+    """The peak of one steady-state training step: what exists before it (weights, buffers,
+    optimizer state, kept gradients) plus the replayed step's own peak above that."""
+    step = estimate_step_peak(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads)
+    before = resident + (grads if keep_grads else 0)
+    zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
+        "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
+    return MemoryLine("peak of a training step", before + step,
+                      f"weights + buffers + optimizer state{' + gradients' if keep_grads else ''}"
+                      f" + the step's own peak ({step:,} B: forward, backward, "
+                      f"{optimizer}.step() temporaries), fake-tensor replay; {zero}", True)
+
+
+def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
+                    kernel: str) -> list[MemoryLine]:
+    """KV cache and working memory of a prefill of L tokens and of one decode step."""
+    from tfcli.model.counting import kv_cache
+
+    cfg = subject.cfg
+    batch, length = sizes["B"], sizes["T"] if cfg.has_decoder else sizes["S"]
+    cache = kv_cache(cfg, batch, length, sizes["S"] if cfg.has_encoder and cfg.has_decoder else 0)
+    kv_bytes = dtype_bytes(kv_dtype)
+    lines = [MemoryLine("KV cache", cache.elements * kv_bytes,
+                        f"{cache.formula} × {kv_bytes} B {kv_dtype}")]
+    prefill = estimate_forward_peak(subject, sizes, dtype, kernel)
+    lines.append(MemoryLine("prefill working set", prefill,
+                            f"fake-tensor replay of one eval forward of {length} tokens "
+                            f"(B={batch}), no grad: the peak above weights and inputs"))
+    one = estimate_forward_peak(subject, {**sizes, "T": 1} if cfg.has_decoder else
+                                {**sizes, "S": 1}, dtype, kernel)
+    scores = 0 if kernel in ("flash", "efficient") else \
+        2 * batch * cfg.n_heads * cache.positions * dtype_bytes(dtype)
+    lines.append(MemoryLine("decode step working set", one + scores,
+                            f"replay of a one-token forward ({one:,} B) + one layer's scores "
+                            f"and weights against {cache.positions} cached keys, "
+                            f"2·B·h·L × {dtype_bytes(dtype)} B" + (" (none: fused kernel)"
+                                                                   if not scores else "")))
+    return lines

@@ -127,7 +127,8 @@ class UserSubject(Subject):
             raise
         except Exception as error:
             on = " on the meta device" if str(device) == "meta" else ""
-            hint = "; build it for real with --device cpu" if on else ""
+            hint = ("; build it for real (shapes: --device cpu, params: --build-on cpu)" if on
+                    else "")
             raise TfcliError(f"--model {self.ref}: calling it{on} raised {_error_text(error)}"
                              f"{_where(error, self._file)}{hint}") from None
         finally:
