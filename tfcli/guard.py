@@ -198,10 +198,10 @@ def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32") -> tupl
 def attention_cell_bytes(kernel: str, which: str, batch: int, heads: int, head_dim: int,
                          length: int, element_size: int) -> int:
     """A closed form for one attention cell: q, k, v and the output (with their gradients
-    when backward runs) plus [B, h, L, L] matrices, which only the explicit kernels (and the
-    math path) materialise; the fused ones are charged one for their workspace."""
+    when backward runs), plus the [B, h, L, L] scores and weights that only the explicit
+    kernels (naive, the math path) materialise; fused kernels work in tiles, O(L)."""
     backward = which != "fwd"
-    vectors = batch * heads * length * head_dim * (8 if backward else 4)
-    squares = batch * heads * length * length * (
-        (4 if backward else 2) if kernel in ("naive", "sdpa-math") else 1)
+    vectors = batch * heads * length * (head_dim * (8 if backward else 4) + 1)
+    squares = (batch * heads * length * length * (4 if backward else 2)
+               if kernel in ("naive", "sdpa-math") else 0)
     return (vectors + squares) * element_size

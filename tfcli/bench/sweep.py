@@ -45,6 +45,7 @@ class Spec:
     max_time: float = 5.0
     calibrate: bool = False
     seed: int = 0
+    max_memory: int | None = None  # bytes a cell may use; None: what the machine has left
 
     def batch_for(self, length: int) -> int:
         return max(1, self.tokens // length) if self.tokens else self.batch_size
@@ -179,6 +180,7 @@ class Sweep:
         self._after_cell = after_cell  # e.g. write a profiler trace of the measured cell
         self._models: dict = {}
         self._flops: dict = {}
+        self._bytes: dict = {}  # estimated bytes of a model cell, by sizes and dtype
         self._live: list = []  # cells of the current length still being measured
 
     @property
@@ -294,6 +296,12 @@ class Sweep:
                 self._emit(record)
                 done += 1
                 continue
+            too_big = self._shortfall(length, kernel, which, device, dtype)
+            if too_big is not None:  # recorded, not OOM-killed: the sweep goes on
+                record.status = f"skipped: {too_big}"
+                self._emit(record)
+                done += 1
+                continue
             self.on_progress(f"L={length} {kernel} {which} {device} {dtype}: preparing", done)
             try:
                 prepared = self._prepare(length, kernel, which, device, dtype)
@@ -338,6 +346,23 @@ class Sweep:
                     still.append((record, timer, prepared))
             live = self._live = still
         return done
+
+    def _shortfall(self, length: int, kernel: str, which: str, device: str,
+                   dtype: str) -> str | None:
+        """``needs X GiB, Y available`` for a cell estimated beyond the memory left."""
+        from tfcli.guard import attention_cell_bytes, model_run_bytes, shortfall
+
+        s = self.spec
+        if s.what == "attention":
+            need = attention_cell_bytes(kernel, which, s.batch_for(length), s.heads, s.head_dim,
+                                        length, DTYPES[dtype].itemsize)
+        else:
+            sizes = self._sizes(length)
+            key = (tuple(sorted(sizes.items())), dtype)
+            if key not in self._bytes:
+                self._bytes[key] = model_run_bytes(self.subject, sizes, dtype)[0]
+            need = self._bytes[key]
+        return shortfall(need, device, s.max_memory)
 
     def _finish(self, record: Record, timer: CellTimer, prepared: Prepared) -> None:
         if record.status.startswith("ok"):
