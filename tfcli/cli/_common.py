@@ -114,12 +114,19 @@ def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int
     return values
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich exits silently (SystemExit 1) on a closed pipe; TfcliGroup says it instead."""
+        self.quiet = True
+        raise BrokenPipeError(32, "Broken pipe")
+
+
 def stdout() -> Console:
     """Data goes to stdout; Rich drops colour itself for NO_COLOR and non-terminals. Written to
     a file or pipe, tables are 120 columns wide (COLUMNS overrides), not Rich's 80."""
-    console = Console(markup=False)  # paths and messages may hold [brackets]: never markup
+    console = _Console(markup=False)  # paths and messages may hold [brackets]: never markup
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(markup=False, width=120)
+        console = _Console(markup=False, width=120)
     return console
 
 
@@ -127,18 +134,150 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def fail(message: str) -> int:
-    typer.echo(f"tfcli: error: {message}", err=True)
-    return 2
+def fail(message: str, code: int = 2, kind: str = "error: ") -> int:
+    """One line on stderr; the exit code (2: bad input)."""
+    try:
+        typer.echo(f"tfcli: {kind}{message}", err=True)
+    except (OSError, ValueError):  # stderr itself is closed or full: the exit code still tells
+        pass
+    return code
+
+
+# --- the process: signals, encodings, widths, closed or full output ---------------------------
+
+INTERRUPTED, TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+INTERNAL = 70  # EX_SOFTWARE: a bug in tfcli, never "a check failed" (1) or "bad input" (2)
+MIN_WIDTH, MAX_WIDTH = 60, 1000
+# What an ASCII-only stdout shows instead of the symbols tfcli prints.
+ASCII = {"×": "x", "·": "*", "→": "->", "←": "<-", "∞": "inf", "≡": "==", "≈": "~=", "≤": "<=",
+         "≥": ">=", "≠": "!=", "±": "+-", "∝": "~", "…": "...", "—": "-", "–": "-", "²": "^2",
+         "ᵀ": "^T", "√": "sqrt", "✓": "ok", "✗": "x", "•": "*", "█": "#", "░": ".", "▒": ":",
+         "│": "|", "─": "-", "├": "+", "└": "`", "┌": "+", "┐": "+", "┘": "+", "┬": "+",
+         "┴": "+", "┼": "+", "‘": "'", "’": "'", "“": '"', "”": '"'}
+
+
+def _ascii_fallback(err: UnicodeError) -> tuple[str, int]:
+    import unicodedata
+
+    if not isinstance(err, UnicodeEncodeError):
+        raise err
+    out = []
+    for char in err.object[err.start:err.end]:
+        plain = unicodedata.normalize("NFKD", char).encode("ascii", "ignore").decode()
+        out.append(ASCII.get(char) or plain or "?")
+    return "".join(out), err.end
+
+
+def _prepare_process() -> None:
+    """Streams that cannot encode tfcli's symbols get ASCII stand-ins; a COLUMNS of 0, junk
+    or a huge number becomes a width Rich can lay tables out in; torch's NumPy warning (when
+    the environment lacks numpy) is not repeated before every message."""
+    import codecs
+    import warnings
+
+    codecs.register_error("tfcli-ascii", _ascii_fallback)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            try:
+                "×→∞≡✓".encode(stream.encoding or "ascii")
+            except (UnicodeEncodeError, LookupError):
+                stream.reconfigure(errors="tfcli-ascii")
+    columns = os.environ.get("COLUMNS")
+    if columns is not None:
+        width = int(columns) if columns.strip().isdigit() and len(columns) < 8 else MIN_WIDTH
+        os.environ["COLUMNS"] = str(min(max(width, MIN_WIDTH), MAX_WIDTH))
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+
+class _Stopped(Exception):
+    """Raised out of a command to end it with one line and an exit code; typer passes it on."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Signals:
+    """SIGINT and SIGTERM both raise KeyboardInterrupt where the program is (so a sweep keeps
+    what it measured); which one arrived decides the exit code, 130 or 143."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._saved: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _Signals:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def code(self) -> int:
+        import signal
+
+        return TERMINATED if self.received == signal.SIGTERM else INTERRUPTED
+
+
+def _write_failure(err: OSError) -> str:
+    if isinstance(err, BrokenPipeError):
+        return "output closed before everything was written (broken pipe)"
+    where = f": {err.filename}" if err.filename else ""
+    return f"could not write the output{where}: {err.strerror or err}"
+
+
+def _silence_stdout() -> None:
+    """After a failed write to stdout, point it at /dev/null so that the interpreter's own
+    flush at exit cannot fail again (and print a traceback of its own)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class TfcliGroup(TyperGroup):
-    """Runs the command and turns every user error into one line on stderr and exit code 2."""
+    """Runs the command and presents every way it can end: a user error is one line on stderr
+    and exit code 2; Ctrl-C (130) and SIGTERM (143) one line after what was kept is printed;
+    closed or full output one line and exit 1; a bug one line and exit 70 (TFCLI_TRACEBACK=1
+    prints the traceback)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Stopped(INTERRUPTED, "interrupted") from None
+        except OSError as err:  # typer swallows EPIPE silently; say it in one line
+            raise _Stopped(1, _write_failure(err)) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        _prepare_process()
+        with _Signals() as signals:
+            code = self._run(signals, args, prog_name, complete_var, **extra)
+        if signals.received is not None:
+            _restore_cursor()
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    def _run(self, signals: _Signals, args, prog_name, complete_var, **extra) -> int:
+        if sys.stdout is None:
+            return fail("stdout is closed: nothing can be printed")
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
+            sys.stdout.flush()  # a full disk shows here, not in the interpreter's exit
         except TfcliError as err:
             code = fail(str(err))
         except NoArgsIsHelpError as err:
@@ -150,9 +289,45 @@ class TfcliGroup(TyperGroup):
             code = fail(f"{err.format_message()} (see '{where} --help')")
         except ClickException as err:
             code = fail(err.format_message())
-        except typer.Abort:
-            typer.echo("tfcli: aborted", err=True)
-            code = 130
-        if standalone_mode:
-            sys.exit(code)
+        except (typer.Abort, KeyboardInterrupt):
+            code = INTERRUPTED
+        except _Stopped as stop:
+            code = stop.code
+            if code != INTERRUPTED:
+                fail(str(stop), code)
+        except OSError as err:
+            code = fail(_write_failure(err), 1)
+        except MemoryError:
+            code = fail("out of memory: the run needed more than the machine could give; use "
+                        "smaller sizes or a lower --max-memory", 1)
+        except Exception as err:  # a bug: one line, not a traceback, unless asked for
+            if os.environ.get("TFCLI_TRACEBACK"):
+                raise
+            text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            code = fail(f"internal error: {type(err).__name__}: {text[:300]} (please report "
+                        f"it; TFCLI_TRACEBACK=1 prints the traceback)", INTERNAL)
+        if code == 1 and sys.stdout is not None and _stdout_broken():
+            _silence_stdout()
+        if code == INTERRUPTED or signals.received is not None:
+            code = signals.code()
+            fail("terminated (SIGTERM)" if code == TERMINATED else "interrupted (Ctrl-C)", code,
+                 kind="")
         return code
+
+
+def _stdout_broken() -> bool:
+    try:
+        sys.stdout.flush()
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def _restore_cursor() -> None:
+    """Rich hides the cursor while progress is shown; an interrupted run shows it again."""
+    try:
+        if sys.stderr is not None and sys.stderr.isatty():
+            sys.stderr.write("\x1b[?25h")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
