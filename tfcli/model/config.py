@@ -219,11 +219,27 @@ def _fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
 # --- validation -------------------------------------------------------------------------------
 
 
+# Upper bounds far above any published model, low enough that building one on meta stays cheap
+# (every layer is a Python module) and that every product of sizes fits int64 element counts.
+MAX_WIDTH = 2**20  # d_model, d_ff, heads, head_dim, d_embed: the largest published is ~2**16
+MAX_LAYERS = 1024  # per stack: the deepest published model has ~128
+MAX_LENGTH = 2**31 - 1  # vocabularies, max_seq_len, attention_window: int32 token ids/positions
+LIMITS = {"d_model": MAX_WIDTH, "n_heads": MAX_WIDTH, "d_ff": MAX_WIDTH, "n_kv_heads": MAX_WIDTH,
+          "head_dim": MAX_WIDTH, "d_embed": MAX_WIDTH, "n_encoder_layers": MAX_LAYERS,
+          "n_decoder_layers": MAX_LAYERS, "src_vocab_size": MAX_LENGTH,
+          "tgt_vocab_size": MAX_LENGTH, "max_seq_len": MAX_LENGTH, "attention_window": MAX_LENGTH}
+
+
 def validate(cfg: Config) -> None:
     """Reject every impossible value or combination, naming the field, the value and what is
     allowed."""
     for f in fields(cfg):
         _check_type(f.name, getattr(cfg, f.name))
+    for name, limit in LIMITS.items():
+        value = getattr(cfg, name)
+        if value is not None and value > limit:
+            shown = value if value < 10**30 else f"a {len(str(value))}-digit number"
+            raise ConfigError(f"{name}={shown}: must be at most {limit:,}")
     for name in ("d_model", "n_heads", "d_ff", "max_seq_len"):
         if getattr(cfg, name) <= 0:
             _fail(name, getattr(cfg, name), "must be a positive integer")
@@ -359,6 +375,11 @@ def parse_value(name: str, text: str) -> Any:
         if lowered in ("false", "no", "off", "0"):
             return False
         _fail(name, text, "must be true or false" + ("" if hint is bool else " or none"))
+    if hint in (int, int | None) and len(raw) > 40:  # int() refuses 4,300+ digits anyway
+        shown = f"a {len(raw)}-{'digit number' if raw.lstrip('+-').isdigit() else 'character value'}"
+        allowed = "must not be negative" if raw.startswith("-") else \
+            f"must be at most {LIMITS.get(name, 2**63 - 1):,}"
+        raise ConfigError(f"{name}={shown}: {allowed}")
     try:
         return int(raw) if hint in (int, int | None) else float(raw)
     except ValueError:
@@ -378,22 +399,71 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a flat file of ~40 keys is ~1 KiB; never read more than this
+MAX_CONFIG_DEPTH = 32  # a flat file has none; deep nesting would exhaust the parser's stack
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"--config {str(path)!r}: no such file")
+    """A flat TOML or JSON file, read through bounds: a regular file, at most
+    MAX_CONFIG_BYTES, nesting at most MAX_CONFIG_DEPTH, UTF-8."""
+    import os
+    import stat
+
+    where = f"--config {str(path)!r}"
     suffix = path.suffix.lower()
     try:
-        if suffix == ".toml":
-            data = tomllib.loads(path.read_text())
-        elif suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            raise ConfigError(f"--config {str(path)!r}: unknown format; use a .toml or .json file")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config {str(path)!r}: not valid {suffix[1:].upper()}: {err}") from None
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot be read: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{where}: is a directory; give a .toml or .json file")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{where}: not a regular file (a device, pipe or socket); give a "
+                          f".toml or .json file")
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"{where}: unknown format; use a .toml or .json file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot be read: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES // 1024} KiB; a configuration "
+                          f"is a few flat key = value lines")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {err.start})") from None
+    if _nesting(text) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{where}: nested more than {MAX_CONFIG_DEPTH} levels deep; expected "
+                          f"flat key = value pairs")
+    try:
+        data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{where}: not valid {suffix[1:].upper()}: {message}") from None
+    except (ValueError, RecursionError) as err:  # e.g. an integer of 4,300+ digits
+        message = str(err).splitlines()[0].split(";")[0][:200] if str(err) else \
+            type(err).__name__
+        raise ConfigError(f"{where}: a value tfcli cannot read: {message}") from None
     if not isinstance(data, dict) or any(isinstance(v, (dict, list)) for v in data.values()):
-        raise ConfigError(f"--config {str(path)!r}: expected flat key = value pairs")
+        raise ConfigError(f"{where}: expected flat key = value pairs")
     return data
+
+
+def _nesting(text: str) -> int:
+    """An upper bound on bracket depth (strings are not skipped: only ever an overestimate,
+    and a flat file's strings hold no brackets worth 32 levels)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def load_config(
@@ -404,7 +474,7 @@ def load_config(
 
     from_file = read_config_file(config_file) if config_file is not None else {}
     return resolve(
-        preset_values(preset or DEFAULT_PRESET),
+        preset_values(DEFAULT_PRESET if preset is None else preset),
         (str(config_file), from_file),
         ("--set", parse_overrides(list(overrides))),
     )
