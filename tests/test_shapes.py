@@ -220,3 +220,18 @@ def test_windowed_flops_count_only_the_band(cli):
     assert data["flops"]["forward_windowed"] == data["flops"]["forward"] - outside
     dense = json.loads(cli("shapes", "--preset", "llama-tiny", "--json").stdout)
     assert dense["flops"]["forward_windowed"] is None
+
+
+@pytest.mark.parametrize("args", [
+    ["--preset", "torch-transformer"],  # embedded inputs need no gradient: products skipped
+    ["--preset", "tiny", "--set", "dropout=0", "--device", "cpu"],  # CPU flash: 2.5 × backward
+    ["--model", "hf:examples/llama-tiny"],
+])
+def test_backward_flops_reconcile_exactly_with_flop_counter(cli, args):
+    data = json.loads(cli("shapes", *args, "--backward", "--json").stdout)["flops"]
+    assert data["reconciled_exactly"], data["differences"]
+    assert data["forward"] * 3 - data["forward_backward_as_torch_runs_it"] >= 0
+    if args[1] == "torch-transformer":  # the figures the issue reported, now explained
+        assert data["forward"] * 3 == 4_242_087_936
+        assert data["flop_counter_corrected"] == data["forward_backward_as_torch_runs_it"] \
+            == 4_191_756_288

@@ -129,12 +129,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         counter = count_with_flop_counter(
             lambda: primary_output(inputs(model)).float().sum().backward())
     ours = forward * (3 if backward else 1)
-    reasons = []
-    if causal_flops:
-        reasons.append("--causal-flops counts half of each causal QKᵀ and AV; torch counts all")
-    if backward and counter.registered:
-        reasons.append("torch counts the fused SDPA backward as 2.5 × forward (it recomputes "
-                       "QKᵀ); tfcli's convention is 2 ×")
+    as_torch = forward + events[0].backward_torch if backward else None
+    reasons, reconciled = _reconcile(events[0], counter, backward, causal_flops)
     unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
 
     if json_out:
@@ -147,6 +143,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                         "outputs_symbolic": [None if s is None else symbolic(s, names)
                                              for s in e.outputs]} for e in events],
             "flops": {"forward": forward, "backward": 2 * forward if backward else None,
+                      "forward_backward_as_torch_runs_it": as_torch,
+                      "reconciled_exactly": reconciled,
                       "convention": CONVENTION, "causal_half": causal_flops,
                       "flop_counter": counter.flop_counter, "flop_counter_corrected":
                           counter.corrected, "uncounted_ops": counter.missing,
@@ -172,9 +170,38 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"  with tfcli's formulas for {', '.join(counter.registered)}: "
                       f"{flops_text(counter.corrected)}")
     for reason in reasons:
-        console.print(f"  remaining difference: {reason}")
+        console.print(f"  difference: {reason}")
+    if as_torch is not None:
+        console.print(f"  as torch runs it: {flops_text(as_torch)} ({as_torch:,})")
+    if reconciled:
+        console.print(f"  reconciled: the differences above account for torch's count exactly "
+                      f"({counter.corrected:,})")
+    elif not causal_flops:
+        console.print(f"  not reconciled: {counter.corrected - (as_torch or forward):+,} FLOPs "
+                      f"that tfcli cannot explain", style="yellow")
     if windowed is not None:
         console.print(f"  effective with the sliding window (attention_window="
                       f"{cfg.attention_window}): {flops_text(windowed)} forward — only the "
                       f"(query, key) pairs the window allows; the figures above are dense")
 
+
+
+def _reconcile(top, counter, backward: bool, causal_flops: bool) -> tuple[list[str], bool]:
+    """Why torch's FlopCounterMode differs from tfcli's convention, and whether the reasons
+    account for every FLOP of the difference."""
+    reasons = []
+    if causal_flops:
+        reasons.append("--causal-flops counts half of each causal QKᵀ and AV; torch counts all")
+    if not backward:
+        return reasons, not causal_flops and counter.corrected == top.flops
+    skipped = 2 * top.flops - top.backward_torch
+    if skipped:
+        reasons.append(f"torch's backward computes no gradient for a tensor that needs none (the "
+                       f"model's inputs): the products that would give it are skipped, "
+                       f"{skipped:,} FLOPs of tfcli's 2 × forward")
+    fused = counter.corrected - (top.flops + top.backward_torch)
+    if fused and counter.registered and fused * 2 == top.attention_flops:
+        reasons.append(f"torch counts the fused SDPA backward as 2.5 × forward (it recomputes "
+                       f"QKᵀ): {fused:+,} FLOPs; tfcli's convention is 2 ×")
+        fused = 0
+    return reasons, not causal_flops and fused == 0

@@ -60,11 +60,16 @@ class Op:
     shape: list[int] | None  # output shape (the scores' for "scores" and "sdpa")
     flops: int = 0
     attention: bool = False  # part of an attention core (scores, weights·V, SDPA)
+    backward: int = 0  # backward FLOPs as autograd runs them: a gradient per operand needing one
     note: str = ""
     # for mask checks (kept only when ``keep_values``): what the masking blocked, the weights
     blocked: Tensor | None = None
     weights: Tensor | None = None
     extra: dict = field(default_factory=dict)
+
+
+def _needs(t) -> int:
+    return int(isinstance(t, Tensor) and t.requires_grad)
 
 
 def _is_activation(t) -> bool:
@@ -129,24 +134,30 @@ class OpObserver(TorchFunctionMode):
         if func is F.linear:
             x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
             rows = x.numel() // w.shape[-1] if w.dim() == 2 else x.numel()
-            self._emit(Op("linear", list(out.shape), 2 * rows * w.numel()))
+            flops = 2 * rows * w.numel()
+            self._emit(Op("linear", list(out.shape), flops, backward=flops * (_needs(x) +
+                                                                              _needs(w))))
         elif func in _MATMULS or func in _ADDMMS:
             a, b = (args[1], args[2]) if func in _ADDMMS else (args[0], args[1])
             if func is Tensor.__rmatmul__:
                 a, b = b, a
             flops = matmul_flops(a.shape, b.shape)
-            if not (_is_activation(a) and _is_activation(b)):
-                self._emit(Op("linear", list(out.shape), flops))  # a weight: a projection
+            backward = flops * (_needs(a) + _needs(b))
+            if not (_is_activation(a) and _is_activation(b)):  # a weight: a projection
+                self._emit(Op("linear", list(out.shape), flops, backward=backward))
             elif a in self._weights:  # softmax output (or its dropout) @ V
-                self._emit(Op("weights·V", list(out.shape), flops, attention=True))
+                self._emit(Op("weights·V", list(out.shape), flops, attention=True,
+                              backward=backward))
             else:  # a product of two activations: scores if a softmax takes it next
-                op = Op("matmul", list(out.shape), flops, attention=False)
+                op = Op("matmul", list(out.shape), flops, attention=False, backward=backward)
                 self._scores[out] = (op, None)
                 self._emit(op)
         elif func is torch.einsum:
             operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) \
                 else args[1]
-            self._emit(Op("matmul", list(out.shape), _einsum_flops(args[0], operands)))
+            flops = _einsum_flops(args[0], operands)
+            self._emit(Op("matmul", list(out.shape), flops,
+                          backward=flops * sum(_needs(t) for t in operands)))
         elif func is F.scaled_dot_product_attention:
             self._sdpa(args, kwargs, out)
         elif func in _FILLS and args[0] in self._scores:
@@ -204,7 +215,11 @@ class OpObserver(TorchFunctionMode):
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask, causal = bound.get("attn_mask"), bool(bound.get("is_causal", False))
         scores = [*q.shape[:-1], k.size(-2)]
-        op = Op("sdpa", scores, sdpa_flops(q, k, v), attention=True,
+        qk = 2 * math.prod(q.shape[:-1]) * k.size(-2) * q.size(-1)  # Q·Kᵀ; weights·V likewise
+        av = 2 * math.prod(q.shape[:-1]) * k.size(-2) * v.size(-1)
+        backward = qk * (_needs(q) + _needs(k)) + av * (int(bool(_needs(q) or _needs(k)))
+                                                          + _needs(v))
+        op = Op("sdpa", scores, sdpa_flops(q, k, v), attention=True, backward=backward,
                 extra={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
                        "mask": list(mask.shape) if isinstance(mask, Tensor) else None,
                        "is_causal": causal, "out": list(out.shape)})

@@ -47,6 +47,7 @@ class ShapeEvent:
     outputs: list[list[int] | None] = field(default_factory=list)
     flops: int = 0  # forward, this call and everything inside it
     attention_flops: int = 0  # of which the attention core (Q·Kᵀ, weights·V)
+    backward_torch: int = 0  # backward as autograd runs it (no gradient for inputs that need none)
     details: list[Detail] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -134,6 +135,7 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
                            shapes_of(args) + shapes_of(kwargs))
         if isinstance(module, nn.MultiheadAttention):
             event.flops, event.attention_flops, event.details = _mha(module, args, kwargs)
+            event.backward_torch = 2 * event.flops
         events.append(event)
         stack.append(event)
 
@@ -183,12 +185,14 @@ def _settle(events: list[ShapeEvent], ops: dict[int, list[Op]], causal_half: boo
                 flops //= 2
             event.flops += flops
             event.attention_flops += flops if op.attention else 0
+            event.backward_torch += op.backward
         event.details += _details(mine)
     for event in reversed(events):  # children come after their parent
         if event.parent is not None:
             parent = events[event.parent]
             parent.flops += event.flops
             parent.attention_flops += event.attention_flops
+            parent.backward_torch += event.backward_torch
 
 
 # --- symbolic dimensions ---------------------------------------------------------------------

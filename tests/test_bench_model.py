@@ -1,0 +1,36 @@
+"""Bench cells of one model own their mode: an interleaved fwd cell runs in eval mode even
+after a fwdbwd cell of the same model was prepared (the model object is shared)."""
+
+from __future__ import annotations
+
+from tfcli.bench.sweep import Spec, Sweep
+from tfcli.model.presets import get_preset
+
+
+def test_fwd_cell_runs_in_eval_mode_after_a_fwdbwd_cell_was_prepared():
+    cfg = get_preset("tiny").replace(dropout=0.1)
+    spec = Spec("model", [16], ["sdpa"], ["fwd", "fwdbwd"], ["cpu"], ["fp32"], threads=1,
+                min_time=0.01, max_time=0.1)
+    sweep = Sweep(spec, cfg)
+    fwd = sweep._prepare_cell(16, "sdpa", "fwd", "cpu", "fp32")
+    fwdbwd = sweep._prepare_cell(16, "sdpa", "fwdbwd", "cpu", "fp32")  # same model object
+    model = sweep._model("sdpa", "cpu", "fp32")
+    seen: list[bool] = []
+    handle = model.register_forward_pre_hook(lambda m, a: seen.append(m.training) and None)
+    try:
+        fwd.run()
+        assert seen == [False]  # inference: no dropout
+        fwdbwd.run()
+        fwd.run()
+        assert seen == [False, True, False]
+    finally:
+        handle.remove()
+
+
+def test_the_ran_column_comes_from_the_timed_runs():
+    """With dropout > 0 the CPU's SDPA runs flash in eval (dropout off) and math in training."""
+    cfg = get_preset("tiny").replace(dropout=0.1)
+    spec = Spec("model", [16], ["sdpa"], ["fwd", "fwdbwd"], ["cpu"], ["fp32"], threads=1,
+                min_time=0.01, max_time=0.1)
+    ran = {r.pass_: r.kernel_ran for r in Sweep(spec, cfg).run()}
+    assert ran == {"fwd": "flash (cpu)", "fwdbwd": "math"}
