@@ -1,13 +1,18 @@
 """The one exception type for user mistakes.
 
-The CLI prints ``str(error)`` as a single line on stderr and exits with code 2; library users
-catch :class:`TfcliError`. Internal invariants use ``assert`` instead.
+The CLI prints ``str(error)`` as a single line on stderr and exits with code 2 (or the error's
+``exit_code``); library users catch :class:`TfcliError`. Internal invariants use ``assert`` instead.
 """
 
 
 class TfcliError(Exception):
     """A user mistake: a bad configuration value, option or input. The message says what is
-    wrong and what is allowed."""
+    wrong and what is allowed. ``exit_code`` 1 instead of 2 marks a run that failed after
+    valid input (an output that could not be written)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class ConfigError(TfcliError, ValueError):

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import csv
+import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
-                               ModelOpt, PresetOpt, SetOpt, int_list, print_json, resolve_subject,
-                               stdout)
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list, print_json,
+                               resolve_subject, stdout)
+from tfcli.cli._outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -24,13 +27,15 @@ def _choices(text: str, option: str, allowed: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _writable(path: Path | None, option: str, suffix: str | None = None) -> None:
-    if path is None:
-        return
-    if suffix and path.suffix.lower() != suffix:
-        raise TfcliError(f"{option} {str(path)!r}: the file name must end in {suffix}")
-    if not path.parent.exists():
-        raise TfcliError(f"{option} {str(path)!r}: no such directory {str(path.parent)!r}")
+BIG = 2**31 - 1  # sizes beyond this overflow index arithmetic long before they fit anywhere
+
+
+class _WriteFailed(Exception):
+    """An output could not be written mid-sweep: the sweep ends, the table is still printed."""
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def bench(
@@ -54,20 +59,26 @@ def bench(
     device: Annotated[str, typer.Option(
         metavar="cpu,cuda,mps", help="Devices; an absent one is reported as skipped.")] = "cpu",
     dtype: Annotated[str, typer.Option(metavar="fp32,bf16,fp16", help="Dtypes.")] = "fp32",
-    batch_size: Annotated[int, typer.Option(min=1, help="Batch size.")] = 1,
+    batch_size: Annotated[Optional[int], typer.Option(
+        min=1, max=BIG, show_default=False, help="Batch size (default 1).")] = None,
     tokens: Annotated[Optional[int], typer.Option(
-        min=1, show_default=False, help="Constant tokens per step: batch = tokens / L.")] = None,
+        min=1, max=BIG, show_default=False,
+        help="Constant tokens per step: batch = tokens / L (instead of --batch-size).")] = None,
     tgt_len: Annotated[Optional[int], typer.Option(
-        min=1, show_default=False, help="Model: fix the target length (default T = L).")] = None,
+        min=1, max=BIG, show_default=False,
+        help="Model: fix the target length of an encoder-decoder (default T = L).")] = None,
     heads: Annotated[Optional[int], typer.Option(
-        min=1, show_default=False, help="Attention: heads (default: the config's).")] = None,
+        min=1, max=2**20, show_default=False, help="Attention: heads (default: the config's).")
+    ] = None,
     head_dim: Annotated[Optional[int], typer.Option(
-        min=1, show_default=False, help="Attention: d_k (default: the config's).")] = None,
+        min=1, max=2**20, show_default=False, help="Attention: d_k (default: the config's).")
+    ] = None,
     causal: Annotated[bool, typer.Option(
         "--causal", help="Attention: causal mask (FLOPs count half).")] = False,
     threads: Annotated[Optional[int], typer.Option(
         min=1, show_default=False,
-        help="CPU threads for every timing (default: torch's, i.e. all cores).")] = None,
+        help="CPU threads for every timing, at most the CPUs this process may use (default: "
+             "torch's, i.e. all cores).")] = None,
     min_time: Annotated[float, typer.Option(
         min=0.0, help="Seconds of measurement per cell, at least (and 3 samples).")] = 0.5,
     max_time: Annotated[float, typer.Option(min=0.0, help="Seconds per cell, at most.")] = 5.0,
@@ -84,18 +95,41 @@ def bench(
         metavar="DIR", show_default=False,
         help="Write torch.profiler traces per cell (TensorBoard's PyTorch profiler plugin, "
              "Perfetto).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for inputs and weights.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1,
+                                      help="Seed for inputs and weights.")] = 0,
+    max_memory: MaxMemoryOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
     if what not in ("attention", "model"):
         raise TfcliError(f"--what {what!r}: choose attention or model")
+    check_outputs(Output(csv_path, "--csv", ".csv"), Output(plot, "--plot", ".png"),
+                  Output(profile, "--profile", directory=True))
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise TfcliError("--plot needs matplotlib: pip install 'tfcli[plot]'") from None
+    for name, value in (("--min-time", min_time), ("--max-time", max_time)):
+        if not math.isfinite(value):
+            raise TfcliError(f"{name} {value}: expected a finite number of seconds")
+    if threads is not None and threads > _cpus():
+        raise TfcliError(f"--threads {threads}: this process may use {_cpus()} CPUs; choose "
+                         f"1..{_cpus()}")
+    if tokens is not None and batch_size is not None:
+        raise TfcliError("--tokens and --batch-size: give one (with --tokens, batch = tokens / L)")
+    batch_size = 1 if batch_size is None else batch_size
+    from tfcli.guard import parse_size
+
+    memory_limit = parse_size(max_memory) if max_memory is not None else None
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     cfg = getattr(subject, "cfg", None)
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
+    if max(lengths) > BIG:
+        raise TfcliError(f"--seq-lens: {max(lengths)} is beyond {BIG:,}")
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
-    chosen = _choices(kernels, "--kernels", allowed) if kernels else allowed
+    chosen = _choices(kernels, "--kernels", allowed) if kernels is not None else allowed
     devices = _choices(device, "--device", ["cpu", "cuda", "mps"])
     dtypes = _choices(dtype, "--dtype", ["fp32", "bf16", "fp16"])
     if max_time < min_time:
@@ -113,6 +147,9 @@ def bench(
                              "the model's own come from its configuration")
     elif tgt_len is not None:
         raise TfcliError("--tgt-len applies to --what model")
+    if tgt_len is not None and not {"S", "T"} <= set(subject.length_dims()):
+        raise TfcliError("--tgt-len fixes the target length of an encoder-decoder model; this "
+                         "model has one length, swept by --seq-lens")
     if what == "model" and cfg is None:
         probe_device, abstract = subject.abstract_run("meta")
         with abstract:  # are the inputs known? (one line now, not a failed cell per length)
@@ -124,16 +161,6 @@ def bench(
     if dim:
         raise TfcliError("--dim: bench sets B from --batch-size and every length letter from "
                          "--seq-lens")
-    _writable(csv_path, "--csv")
-    _writable(plot, "--plot", ".png")
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise TfcliError("--plot needs matplotlib: pip install 'tfcli[plot]'") from None
-    if profile is not None and profile.exists() and not profile.is_dir():
-        raise TfcliError(f"--profile {str(profile)!r}: exists and is not a directory")
-
     import torch
 
     from tfcli.bench.sweep import Spec
@@ -141,13 +168,16 @@ def bench(
     known = subject.model_dims(None) if cfg is not None or subject.kind == "hf" else {}
     spec = Spec(what, lengths, chosen, passes, devices, dtypes, batch_size, tokens,
                 heads or known.get("h", 8), head_dim or known.get("d_k", 64), causal, tgt_len,
-                threads or torch.get_num_threads(), min_time, max_time, calibrate, seed)
+                threads or torch.get_num_threads(), min_time, max_time, calibrate, seed,
+                max_memory=memory_limit)
     _run(spec, subject, csv_path, plot, profile, json_out)
 
 
 def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path | None,
          json_out: bool) -> None:
-    """Run the sweep with progress on stderr, CSV rows as cells finish, then the outputs."""
+    """Run the sweep with progress on stderr, CSV rows as cells finish (into a temporary file
+    renamed into place at the end), then the outputs. An interrupted run leaves an existing
+    output as it was; a failed write ends the sweep, prints the table and exits 1."""
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
@@ -158,37 +188,45 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
     err = Console(stderr=True, markup=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
-    csv_file = writer = None
-    if csv_path is not None:
-        csv_file = csv_path.open("w", newline="")
+    csv_out = AtomicFile(csv_path, newline="") if csv_path is not None else None
+    writer = None
     after_cell = _profiler(profile) if profile is not None else None
 
     def on_record(record) -> None:
         nonlocal writer
-        if csv_file is not None:
+        progress.console.print(record_line(record), highlight=False)
+        if csv_out is None:
+            return
+        try:
             row = record.to_dict()
             if writer is None:
-                writer = csv.DictWriter(csv_file, fieldnames=list(row))
+                writer = csv.DictWriter(csv_out.text(), fieldnames=list(row))
                 writer.writeheader()
             writer.writerow(row)
-            csv_file.flush()
-        progress.console.print(record_line(record), highlight=False)
+            csv_out.text().flush()
+        except OSError as error:
+            raise _WriteFailed(f"--csv {str(csv_path)!r}: {error.strerror or error}") from None
 
-    with progress:
-        task = progress.add_task("starting", total=None)
-        sweep = Sweep(spec, subject, on_record,
-                      lambda desc, done: progress.update(task, description=desc, completed=done,
-                                                         total=sweep.total_cells),
-                      after_cell=after_cell)
-        records = sweep.run()
-    if csv_file is not None:
-        csv_file.close()
+    failed = None
+    try:
+        with progress:
+            task = progress.add_task("starting", total=None)
+            sweep = Sweep(spec, subject, on_record,
+                          lambda desc, done: progress.update(task, description=desc,
+                                                             completed=done,
+                                                             total=sweep.total_cells),
+                          after_cell=after_cell)
+            try:
+                records = sweep.run()
+            except _WriteFailed as error:
+                records, failed = sweep.records, str(error)
+        written = _finish_outputs(csv_out, plot, records, sweep.interrupted or failed is not None)
+    except BaseException:
+        if csv_out is not None:
+            csv_out.discard()
+        raise
     fitted = fits(records)
     env = environment(spec, sweep.kernels_ok)
-    if plot is not None and records:
-        from tfcli.render.bench_plot import save_plot
-
-        save_plot(records, plot)
     if json_out:
         print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
                     "records": [r.to_dict() for r in records],
@@ -198,16 +236,50 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
     else:
         console = stdout()
         render(records, fitted, env, console, sweep.interrupted)
-        for path, what in ((csv_path, "records"), (plot, "plot")):
-            if path is not None:
-                console.print(f"wrote {what}: {path}")
-        if profile is not None:
+        for line in written:
+            console.print(line)
+        if profile is not None and failed is None:
             console.print(f"wrote profiler traces to {profile}/ — view them with TensorBoard's "
                           f"PyTorch profiler plugin (pip install 'tfcli[profile]'; tensorboard "
                           f"--logdir {profile} --host 127.0.0.1), or open a *.pt.trace.json in "
                           f"Perfetto or chrome://tracing")
+    if failed is not None:
+        raise TfcliError(f"{failed}; the sweep stopped there (the table holds what was measured)"
+                         f"{'; existing outputs are left as they were' if csv_path else ''}",
+                         exit_code=1)
     if sweep.interrupted:
         raise typer.Exit(130)
+
+
+def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,
+                    partial: bool) -> list[str]:
+    """Rename the CSV into place and draw the plot, atomically; after an interruption or a
+    failure an existing file is left as it was. Returns the lines saying what was written."""
+    lines = []
+    if csv_out is not None:
+        if partial and csv_out.path.exists():
+            csv_out.discard()
+            lines.append(f"not written: records (the run did not finish; {csv_out.path} is "
+                         f"left as it was)")
+        else:
+            try:
+                csv_out.commit()
+            except OSError as error:
+                raise TfcliError(f"--csv {str(csv_out.path)!r}: {error.strerror or error}",
+                                 exit_code=1) from None
+            lines.append(f"wrote records: {csv_out.path}")
+    if plot is not None and records and not (partial and plot.exists()):
+        from tfcli.render.bench_plot import save_plot
+
+        out = AtomicFile(plot)
+        try:
+            save_plot(records, out.temp)
+            out.commit()
+        except (OSError, ValueError, RuntimeError) as error:
+            out.discard()
+            raise TfcliError(f"--plot {str(plot)!r}: {error}", exit_code=1) from None
+        lines.append(f"wrote plot: {plot}")
+    return lines
 
 
 def _profiler(directory: Path):
@@ -217,18 +289,24 @@ def _profiler(directory: Path):
 
         from tfcli.inspection.memory import quiet_native_stderr
 
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise _WriteFailed(f"--profile {str(directory)!r}: {error.strerror}") from None
         activities = [ProfilerActivity.CPU]
         if record.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
         name = f"{record.kernel}_{record.pass_}_L{record.seq_len}_{record.device}_{record.dtype}"
         handler = tensorboard_trace_handler(str(directory), worker_name=name)
-        with quiet_native_stderr(), profile(activities=activities, profile_memory=True,
-                                            record_shapes=True, acc_events=True,
-                                            schedule=schedule(wait=0, warmup=1, active=2),
-                                            on_trace_ready=handler) as prof:
-            for _ in range(3):
-                prepared.run()
-                prof.step()
+        try:
+            with quiet_native_stderr(), profile(activities=activities, profile_memory=True,
+                                                record_shapes=True, acc_events=True,
+                                                schedule=schedule(wait=0, warmup=1, active=2),
+                                                on_trace_ready=handler) as prof:
+                for _ in range(3):
+                    prepared.run()
+                    prof.step()
+        except (OSError, RuntimeError) as error:  # e.g. a full disk under the trace directory
+            raise _WriteFailed(f"--profile {str(directory)!r}: {error}") from None
 
     return after_cell
