@@ -290,3 +290,20 @@ def test_a_factory_that_builds_on_meta_is_initialised_for_real_runs(cli, tmp_pat
                  "--causal", "input")
     assert result.exit_code == 0, result.stdout + result.stderr  # per-position: causal
     assert "causality of input" in result.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    ([*TUTORIAL, "--lengths", "src"], "expected NAME=N,N"),
+    ([*TUTORIAL, "--lengths", "source=3,2", "--pad-id", "0"], "not a [B, L, …] input"),
+    ([*TUTORIAL, "--lengths", "src=3,2"], "say which token id is padding with --pad-id"),
+    ([*TUTORIAL, "--lengths", "src=3,2", "--lengths", "tgt=1,2,3", "--pad-id", "0"],
+     "same number of sequences"),
+    ([*TUTORIAL, "--pad-id", "0"], "--pad-id pads the sequences"),
+    ([*TUTORIAL, "--lengths", "src=30,2", "--pad-id", "0", "--dim", "S=5"], "at most"),
+    ([*TUTORIAL, "--src-lens", "3,2"], "--lengths NAME=N,N"),
+    (["--preset", "tiny", "--causal", "tgt"], "--causal, --lengths and --dim apply to --model"),
+])
+def test_masks_bad_input_for_any_model(cli, args, words):
+    result = cli("masks", *args)
+    assert result.exit_code == 2, result.stdout
+    assert words in result.stderr and result.stderr.count("\n") == 1

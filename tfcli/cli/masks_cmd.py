@@ -235,10 +235,11 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     if pad_id is not None and not lengths and not causal:
         raise TfcliError("--pad-id pads the sequences --lengths describes; add --lengths NAME=N,N")
     dims = sizes(subject, batches.pop() if batches else 2, 9, 7, dim)
+    bound = {text.partition("=")[0].strip() for text in dim or []}
     for name, lens in lengths.items():
-        longest = max(lens)
         for letter in _letters_of(subject, name):
-            dims[letter] = max(longest, 1)
+            if letter not in bound:  # padded to the longest, unless --dim says how far
+                dims[letter] = max(max(lens), 1)
     guard_run(subject, dims, "masks --model (built on cpu)", max_memory)
     torch.manual_seed(0)
     model = subject.build("cpu").eval()
