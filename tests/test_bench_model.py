@@ -34,3 +34,19 @@ def test_the_ran_column_comes_from_the_timed_runs():
                 min_time=0.01, max_time=0.1)
     ran = {r.pass_: r.kernel_ran for r in Sweep(spec, cfg).run()}
     assert ran == {"fwd": "flash (cpu)", "fwdbwd": "math"}
+
+
+def test_grouped_query_attention_cells_agree_across_kernels():
+    """K and V with fewer heads than Q: the naive path (each K/V head serves its group) and
+    SDPA's enable_gqa give the same output; the FLOPs count the query heads."""
+    import torch
+
+    from tfcli.bench.cases import prepare_attention
+
+    cells = {k: prepare_attention(k, "fwdbwd", 2, 8, 16, 24, True, "cpu", torch.float32,
+                                  kv_heads=2) for k in ("naive", "sdpa", "sdpa-math")}
+    for kernel in ("sdpa", "sdpa-math"):
+        assert torch.allclose(cells[kernel].output, cells["naive"].output, atol=1e-5)
+    assert cells["naive"].flops == 3 * 4 * 2 * 8 * 24 * 24 * 16 // 2  # causal half, fwd+bwd
+    for cell in cells.values():
+        cell.run()  # backward through the grouped K/V runs

@@ -43,8 +43,9 @@ def attention_fn(kernel: str, causal: bool, length: int, device: str) -> Callabl
         return lambda q, k, v: attend(q, k, v, mask)[0]
 
     def fused(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        with backend_context(kernel):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with backend_context(kernel):  # fewer K/V heads than query heads: grouped-query
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                  enable_gqa=k.size(-3) != q.size(-3))
 
     return fused
 
@@ -109,10 +110,11 @@ def _passes(forward: Callable[[], Tensor], which: str,
 
 def prepare_attention(kernel: str, which: str, batch: int, heads: int, head_dim: int,
                       length: int, causal: bool, device: str, dtype: torch.dtype,
-                      seed: int = 0) -> Prepared:
+                      seed: int = 0, kv_heads: int | None = None) -> Prepared:
+    """Q [B, h, L, d_k]; K and V [B, h_kv, L, d_k] (h_kv = kv_heads, default h)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=g).to(device, dtype)
-               .requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(batch, n, length, head_dim, generator=g).to(device, dtype)
+               .requires_grad_() for n in (heads, kv_heads or heads, kv_heads or heads))
     fn = attention_fn(kernel, causal, length, device)
     with torch.no_grad():
         output = fn(q, k, v)
