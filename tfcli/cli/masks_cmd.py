@@ -11,6 +11,7 @@ import typer
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_run, int_list,
                                print_json, resolve_subject, sizes, stdout)
+from tfcli.cli._outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
@@ -79,6 +80,8 @@ def masks(
     """Padding, causal, combined and cross-attention masks for an example batch."""
     import torch
 
+    check_outputs(Output(png, "--png", ".png"))
+
     from tfcli.model import masks as mask_fns
     from tfcli.inspection.maskcheck import check_model, mask_set
     from tfcli.model.transformer import build_model
@@ -95,6 +98,9 @@ def masks(
     if causal or lengths or dim:
         raise TfcliError("--causal, --lengths and --dim apply to --model; tfcli's own model "
                          "takes --src-lens/--tgt-lens or --src-ids/--tgt-ids")
+    if pad_id is not None and src_ids is None and tgt_ids is None:
+        raise TfcliError("--pad-id marks padding in --src-ids/--tgt-ids; give ids, or use "
+                         "--src-lens/--tgt-lens")
     pad_id = 0 if pad_id is None else pad_id
     cfg = subject.cfg
     sides = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)) if present]
@@ -112,7 +118,15 @@ def masks(
     for side in sides:
         lens, ids = given[side]
         if ids is not None:
-            ids_given[side] = torch.tensor(_parse_ids(ids, f"--{side}-ids"))
+            vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
+            rows = _parse_ids(ids, f"--{side}-ids")
+            bad = next((i for row in rows for i in row if not 0 <= i < vocab), None)
+            if bad is not None or not 0 <= pad_id < max(vocab, 1):
+                raise TfcliError(
+                    f"--{side}-ids: this model takes embeddings, not token ids" if not vocab
+                    else f"--{side}-ids/--pad-id: token id {pad_id if bad is None else bad} is "
+                         f"outside the vocabulary; ids must be in 0..{vocab - 1}")
+            ids_given[side] = torch.tensor(rows)
             valid[side] = mask_fns.valid_from_ids(ids_given[side], pad_id)
         elif lens is not None:
             valid[side] = mask_fns.valid_from_lengths(int_list(lens, f"--{side}-lens", "5,3"))
@@ -169,7 +183,13 @@ def masks(
     if png is not None:
         from tfcli.render.masks_png import save_png
 
-        save_png(items, batch_index, png)
+        out = AtomicFile(png)  # an existing PNG survives a failed drawing
+        try:
+            save_png(items, batch_index, out.temp)
+            out.commit()
+        except BaseException:
+            out.discard()
+            raise
     if json_out:
         print_json(_to_json(cfg, items, valid, convention.value, report))
     else:
