@@ -89,6 +89,9 @@ def guard_run(subject, dims: dict[str, int] | None, what: str, max_memory: str |
     require(need, what, limit, device, how)
 
 
+MAX_SIZE = 2**31 - 1
+
+
 def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | None,
           length: int | None = None) -> dict[str, int]:
     """The size of every letter: B, S, T (and L) from the usual options, --dim over them."""
@@ -96,6 +99,10 @@ def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | Non
 
     out = {**subject.default_sizes, "B": batch, "S": src_len, "T": tgt_len,
            "L": length if length is not None else src_len}
+    options = {"B": "--batch-size", "S": "--src-len", "T": "--tgt-len", "L": "--seq-len"}
+    for letter, option in options.items():
+        if out[letter] > MAX_SIZE:  # beyond it, index arithmetic overflows even on meta
+            raise TfcliError(f"{option} {out[letter]}: at most {MAX_SIZE:,}")
     for text in dims or []:
         name, value = parse_dim(text)
         out[name] = value
