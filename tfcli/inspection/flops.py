@@ -1,4 +1,5 @@
-"""FLOPs: analytic per sublayer, and reconciled with ``torch.utils.flop_counter``.
+"""FLOPs: the convention, the attention-core formula, and reconciliation with
+``torch.utils.flop_counter`` (per-operation counting lives in :mod:`tfcli.inspection.ops`).
 
 Convention (stated wherever a figure is printed): FLOPs = 2 × multiply-accumulates of the
 matrix products (linear layers, Q·Kᵀ and weights·V); softmax, norms, activations and
@@ -13,17 +14,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
-
-from tfcli.model.attention import Attend
+from torch import Tensor
 
 CONVENTION = ("FLOPs = 2 × multiply-accumulates of matrix products (linear, QKᵀ, AV); "
               "backward = 2 × forward")
-
-
-def linear_flops(module: nn.Linear, x: Tensor) -> int:
-    rows = x.numel() // module.in_features
-    return 2 * rows * module.in_features * module.out_features
 
 
 def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
@@ -35,15 +29,6 @@ def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
         heads *= n
     flops = 4 * heads * t * s * d_k
     return flops // 2 if causal_half else flops
-
-
-def module_flops(module: nn.Module, args: tuple, causal_half: bool) -> int:
-    """Forward FLOPs of one call of a leaf that does matrix products (0 for anything else)."""
-    if isinstance(module, nn.Linear):
-        return linear_flops(module, args[0])
-    if isinstance(module, Attend):
-        return attention_flops(args[0], args[1], causal_half)
-    return 0
 
 
 # --- FlopCounterMode, with and without the formulas torch lacks --------------------------------
