@@ -226,7 +226,7 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
             csv_out.discard()
         raise
     fitted = fits(records)
-    env = environment(spec, sweep.kernels_ok)
+    env = environment(spec, sweep.kernels_ok, sweep)
     if json_out:
         print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
                     "records": [r.to_dict() for r in records],
