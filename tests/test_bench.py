@@ -197,6 +197,11 @@ def test_json_through_the_cli(cli, tmp_path):
     assert data["environment"]["threads"] == 1 and data["environment"]["torch"]
     assert all(FIELDS <= set(r) for r in data["records"])
     assert {f["series"] for f in data["fits"]} == {"naive fwd cpu fp32", "sdpa fwd cpu fp32"}
+    assert all(isinstance(r["reliable"], bool) and r["dispersion"] >= 0 for r in data["records"])
+    assert all(len(f["ci95"]) == 2 and f["ci95"][0] <= f["ci95"][1] for f in data["fits"])
+    assert all(isinstance(f["reliable"], bool) for f in data["fits"])
+    machine = data["environment"]["machine"]
+    assert {"start", "end"} <= set(machine) and "load_avg" in machine["start"]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "traces").glob("*.pt.trace.json"))
 
@@ -208,7 +213,7 @@ def test_table_through_the_cli(cli):
     assert result.exit_code == 0, result.stderr
     assert "naive → matmul+softmax" in result.stdout
     assert "not run: sdpa-efficient on cpu fp32: unsupported" in result.stdout
-    assert "naive fwd cpu fp32: time ∝ L^" in result.stdout
+    assert "naive fwd cpu fp32, L = 16, 32:\n    time ∝ L^" in result.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -257,3 +262,105 @@ def test_environment_names_the_cpu():
 
     name = environment(tiny_spec(), {})["devices"]["cpu"]
     assert name and name not in ("x86_64", "aarch64")  # a model name, not an architecture
+
+
+# --- noise: reliability of cells and fits ------------------------------------------------------
+
+def test_a_cell_is_reliable_only_with_a_small_iqr_and_three_samples():
+    timer = CellTimer(lambda: None, "cpu", 1)
+    timer.samples = [1.0, 1.01]
+    assert not timer.reliable()  # two samples judge nothing
+    timer.samples = [1.0, 1.01, 0.99, 1.02, 1.0]
+    assert timer.dispersion == pytest.approx(0.01) and timer.reliable()
+    timer.samples = [1.0, 1.5, 0.7, 1.3, 1.0]
+    assert timer.dispersion == pytest.approx(0.3) and not timer.reliable()
+
+
+def synthetic(spread: float, lengths=(256, 512, 1024, 2048)) -> list:
+    """Records with time ∝ L², whose samples scatter by ±spread around the median."""
+    from tfcli.bench.sweep import Record
+
+    records = []
+    for length in lengths:
+        r = Record("attention", length, 1, "sdpa", "fwd", "cpu", "fp32", 1)
+        r.median_s, r.peak_bytes = 1e-9 * length ** 2, 10 * length
+        r.samples_s = [r.median_s * (1 + spread * k / 4) for k in (-4, -2, -1, 0, 0, 1, 2, 4)]
+        r.reliable = spread <= 0.1
+        records.append(r)
+    return records
+
+
+def test_a_fit_on_steady_cells_is_reliable_with_a_narrow_interval():
+    (fit,) = fits(synthetic(0.02))
+    assert fit.time_exponent == pytest.approx(2.0)
+    assert fit.ci95[0] <= 2.0 <= fit.ci95[1] and fit.ci95[1] - fit.ci95[0] < 0.1
+    assert fit.reliable and fit.unreliable_why == ""
+
+
+def test_a_fit_on_noisy_cells_says_why_it_cannot_be_trusted():
+    (fit,) = fits(synthetic(0.9, lengths=(256, 512)))
+    assert not fit.reliable
+    assert "wider than ±0.3" in fit.unreliable_why and "unreliable cells" in fit.unreliable_why
+
+
+def test_calibration_is_interleaved_and_recorded():
+    sweep = Sweep(tiny_spec(kernels=["sdpa"], passes=["fwd"], calibrate=True, calibrate_size=128))
+    records = sweep.run()
+    assert [c["seq_len"] for c in sweep.calibration] == [16, 32]  # one per length, same rounds
+    assert all(c["flops_per_s"] > 0 and c["n"] >= 3 for c in sweep.calibration)
+    assert all(r.peak_flops_per_s and r.pct_peak == pytest.approx(
+        100 * r.flops_per_s / r.peak_flops_per_s) for r in records)
+
+
+def test_machine_state_reads_proc():
+    from tfcli.bench.timer import machine_state
+
+    state = machine_state(window=0.05)
+    assert state["cpus"] >= 1
+    if __import__("os").path.exists("/proc/stat"):
+        assert 0 <= state["busy_cpus"] <= state["cpus"] + 0.5
+
+
+NOISY_SPEC = dict(seq_lens=[32, 64], kernels=["sdpa"], passes=["fwd"], head_dim=16,
+                  min_time=0.02, max_time=0.1, threads=1)
+
+
+def flagged(sweep) -> bool:
+    return any(r.reliable is False for r in sweep.records) or not all(
+        f.reliable for f in fits(sweep.records))
+
+
+def test_a_sweep_beside_busy_processes_is_flagged():
+    """Twice as many spinning processes as CPUs (each stops itself after 15 s, and is killed when
+    the sweep ends) steal time slices from some runs and not others."""
+    import os
+    import subprocess
+    import sys
+
+    spin = "import time\nend = time.time() + 15\nwhile time.time() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin])
+                for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        sweep = Sweep(tiny_spec(**NOISY_SPEC))
+        sweep.run()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert sweep.machine["start"]["busy_cpus"] >= 1  # the state records what was running
+    assert flagged(sweep)
+
+
+def test_a_sweep_on_a_quiet_machine_is_not_flagged():
+    """Only meaningful where the machine is quiet: the project's machines are shared, so this
+    checks the verdict only when /proc/stat shows less than half a CPU busy beside the test."""
+    from tfcli.bench.timer import machine_state
+
+    if machine_state().get("busy_cpus", 9) >= 0.5:
+        pytest.skip("the machine is busy with other work: a quiet sweep cannot be had now")
+    sweep = Sweep(tiny_spec(**{**NOISY_SPEC, "min_time": 0.05, "max_time": 0.5}))
+    sweep.run()
+    if sweep.machine["end"].get("busy_cpus", 9) < 0.5:
+        assert not any(r.reliable is False for r in sweep.records), \
+            [(r.seq_len, r.unreliable_why) for r in sweep.records]
+

@@ -37,12 +37,15 @@ def fixed_records(kernels=("naive", "sdpa"), status: dict | None = None) -> list
                 r.flops_per_s = r.flops / r.median_s
                 r.tokens_per_s = length / r.median_s
                 r.pct_peak = 100 * r.flops_per_s / 200e9
+                r.dispersion, r.reliable = 0.02, True
                 r.status = (status or {}).get((kernel, pass_, length), "ok")
                 records.append(r)
     return records
 
 
-ENV = {"threads": 1, "torch": "2.13.0+cpu"}
+ENV = {"threads": 1, "torch": "2.13.0+cpu", "reliable_dispersion": 0.1,
+       "machine": {"start": {"cpus": 2, "load_avg": [0.1, 0.2, 0.3], "busy_cpus": 0.05},
+                   "end": {"cpus": 2, "load_avg": [0.9, 0.3, 0.3], "busy_cpus": 0.0}}}
 
 
 def bench_text(width: int, records: list[Record]) -> str:
@@ -54,6 +57,9 @@ def bench_text(width: int, records: list[Record]) -> str:
 @pytest.mark.parametrize("width", [80, 120])
 def test_bench_table_golden(golden, width):
     records = fixed_records(status={("sdpa", "fwdbwd", 2048): "OOM"})
+    noisy = next(r for r in records if (r.kernel, r.pass_, r.seq_len) == ("naive", "fwd", 512))
+    noisy.dispersion, noisy.reliable, noisy.pct_peak = 0.6, False, 114.0
+    noisy.samples_s = [noisy.median_s * f for f in (0.5, 0.8, 1.0, 1.0, 1.3, 2.0)]
     golden(f"bench_{width}.txt", bench_text(width, records))
 
 
@@ -89,3 +95,19 @@ def test_params_table_fits_with_its_train_column(cli, golden, width):
     assert "…" not in result.stdout and "train" in table.splitlines()[2] and "frozen" in table
     assert all(len(line) <= width for line in table.splitlines())
     golden(f"params_tiny_{width}.txt", result.stdout)
+
+
+def test_noise_is_said_in_words():
+    records = fixed_records(kernels=("sdpa",))
+    noisy = records[1]
+    noisy.dispersion, noisy.reliable, noisy.pct_peak = 0.6, False, 114.0
+    noisy.samples_s = [noisy.median_s * f for f in (0.3, 0.6, 1.0, 1.0, 1.6, 3.0)]
+    text = bench_text(120, records)
+    assert "unreliable: 1 of 8 cells" in text and "114%!" in text
+    assert "% peak above 100 (marked !) in 1 cell(s): a measurement problem" in text
+    assert "sdpa fwd cpu fp32, L = 256, 512, 1024, 2048:\n    time ∝ L^2.00 [" in text
+    assert "not reliable: built on 1 unreliable cell (L = 512)" in text
+    assert "machine: start 0.1 of 2 CPUs busy, load 0.10, 0.20, 0.30" in text
+    # the steady series has a narrow interval and no warning
+    fwdbwd = text[text.index("sdpa fwdbwd cpu fp32, L ="):].splitlines()
+    assert not fwdbwd[2].strip().startswith("not reliable")

@@ -22,3 +22,31 @@ def upper_half(xs: list[float]) -> list[float]:
     ordered = sorted(set(xs))
     return ordered[len(ordered) // 2 - (1 if len(ordered) % 2 == 0 and len(ordered) > 2 else 0):] \
         if len(ordered) > 2 else ordered
+
+
+# A time exponent is trusted when its 95 % interval is no wider than this either side: narrower
+# than the gap between the answers people look for (1 = linear, 2 = quadratic) by a margin.
+CI_RELIABLE = 0.3
+
+
+def bootstrap_ci(xs: list[float], samples: list[list[float]], rounds: int = 1000,
+                 seed: int = 0) -> list[float] | None:
+    """95 % interval of the slope of log(median) on log(x) when each point's samples are
+    re-drawn with replacement (a percentile bootstrap): how far measuring again could move the
+    exponent. It says nothing about whether a power law fits. None without two lengths."""
+    import random
+    import statistics
+
+    if len(set(xs)) < 2 or any(not s for s in samples):
+        return None
+    rng = random.Random(seed)
+    slopes = []
+    for _ in range(rounds):
+        medians = [statistics.median(rng.choices(s, k=len(s))) for s in samples]
+        slope = loglog_slope(xs, medians)
+        if slope is not None:
+            slopes.append(slope)
+    if not slopes:
+        return None
+    slopes.sort()
+    return [slopes[int(0.025 * (len(slopes) - 1))], slopes[int(round(0.975 * (len(slopes) - 1)))]]

@@ -17,13 +17,19 @@ import torch
 
 from tfcli.bench.cases import DTYPES, TOLERANCE, Prepared, kernel_ran, prepare_attention, \
     prepare_model, probe
-from tfcli.bench.fit import loglog_slope, upper_half
-from tfcli.bench.timer import CellTimer, calibrate_matmul, peak_memory
+from tfcli.bench.fit import CI_RELIABLE, bootstrap_ci, loglog_slope, upper_half
+from tfcli.bench.timer import CALIBRATION_SIZE, RELIABLE_DISPERSION, CellTimer, Contention, \
+    machine_state, matmul_timer, peak_memory
 
 # Dense peak FLOP/s from the vendors' spec sheets (no sparsity); fp32 is non-tensor-core.
 GPU_PEAKS = {"A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
              "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
              "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}}
+
+
+# Other processes may use the CPUs a cell's threads leave free, and this much more, before the
+# cell counts as measured on a busy machine: their time slices then land inside its runs.
+BUSY_MARGIN = 0.5
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Spec:
     max_time: float = 5.0
     calibrate: bool = False
     seed: int = 0
+    calibrate_size: int = CALIBRATION_SIZE  # n of the n×n matmul timed as the peak
     max_memory: int | None = None  # bytes a cell may use; None: what the machine has left
 
     def batch_for(self, length: int) -> int:
@@ -74,6 +81,12 @@ class Record:
     attention_share: float | None = None
     tokens_per_s: float | None = None
     pct_peak: float | None = None
+    peak_flops_per_s: float | None = None  # the matmul peak measured in the same rounds
+    dispersion: float | None = None  # IQR / median
+    reliable: bool | None = None  # None: not measured
+    unreliable_why: str = ""
+    others_busy_cpus: float | None = None  # CPUs other processes used while the cell ran
+    samples_s: list[float] = field(default_factory=list)  # seconds per run, one per block
 
     @property
     def series(self) -> str:
@@ -94,9 +107,16 @@ class Fit:
     memory_exponent_upper: float | None
     seq_lens: list[int] = field(default_factory=list)
     upper_seq_lens: list[int] = field(default_factory=list)
+    ci95: list[float] | None = None  # time exponent, all lengths: bootstrap over the samples
+    ci95_upper: list[float] | None = None  # the same over the upper half
+    reliable: bool = False
+    unreliable_why: str = ""
 
 
 def fits(records: list[Record]) -> list[Fit]:
+    """Per series: log-log slopes of time and memory in L, over all lengths and the upper half,
+    with a 95 % interval for the time exponents. The fit is reliable when the interval is no
+    wider than ±CI_RELIABLE and every cell it rests on is reliable."""
     out = []
     for series in dict.fromkeys(r.series for r in records):
         ok = [r for r in records if r.series == series and r.status == "ok"]
@@ -107,8 +127,26 @@ def fits(records: list[Record]) -> list[Fit]:
         def slope(rows, attr):
             return loglog_slope([r.seq_len for r in rows], [getattr(r, attr) for r in rows])
 
-        out.append(Fit(series, slope(ok, "median_s"), slope(ok, "peak_bytes"),
-                       slope(top, "median_s"), slope(top, "peak_bytes"), xs, sorted(upper)))
+        def ci(rows):
+            return bootstrap_ci([r.seq_len for r in rows],
+                                [r.samples_s or [r.median_s] for r in rows])
+
+        fit = Fit(series, slope(ok, "median_s"), slope(ok, "peak_bytes"), slope(top, "median_s"),
+                  slope(top, "peak_bytes"), xs, sorted(upper), ci(ok), ci(top))
+        noisy = [r for r in ok if r.reliable is False]
+        why = []
+        if fit.time_exponent is None:
+            why.append("fewer than two measured lengths")
+        elif fit.ci95 is None:
+            why.append("no interval")
+        elif (fit.ci95[1] - fit.ci95[0]) / 2 > CI_RELIABLE:
+            why.append(f"95% interval ±{(fit.ci95[1] - fit.ci95[0]) / 2:.2f} is wider than "
+                       f"±{CI_RELIABLE}")
+        if noisy:
+            why.append(f"built on {len(noisy)} unreliable cell{'s' * (len(noisy) > 1)} "
+                       f"(L = {', '.join(str(r.seq_len) for r in noisy)})")
+        fit.reliable, fit.unreliable_why = not why, "; ".join(why)
+        out.append(fit)
     return out
 
 
@@ -122,7 +160,9 @@ def device_problem(device: str) -> str | None:
     return f"unknown device {device!r}"
 
 
-def environment(spec: Spec, kernels_ok: dict) -> dict:
+def environment(spec: Spec, kernels_ok: dict, sweep: Sweep | None = None) -> dict:
+    """What the figures were measured on; with the sweep, the machine's state at its start and
+    end and the matmul peaks measured beside the cells."""
     devices = {}
     for d in spec.devices:
         if d.startswith("cuda") and torch.cuda.is_available():
@@ -131,7 +171,10 @@ def environment(spec: Spec, kernels_ok: dict) -> dict:
             devices[d] = _cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "devices": devices, "threads": spec.threads,
-            "kernels": kernels_ok}
+            "kernels": kernels_ok,
+            "machine": sweep.machine if sweep is not None else {},
+            "calibration": sweep.calibration if sweep is not None else [],
+            "reliable_dispersion": RELIABLE_DISPERSION, "reliable_ci": CI_RELIABLE}
 
 
 def _cpu_name() -> str:
@@ -174,7 +217,10 @@ class Sweep:
         self.on_record, self.on_progress = on_record, on_progress
         self.records: list[Record] = []
         self.kernels_ok: dict[str, dict[str, str]] = {}
-        self.peaks: dict[tuple[str, str], float] = {}
+        self.calibration: list[dict] = []  # per device, dtype and length: the matmul peak
+        self.machine: dict[str, dict] = {}  # machine_state() at start and end
+        self._peak: CellTimer | None = None  # this length's matmul timer, with --calibrate
+        self._contention: Contention | None = None  # since this length's rounds began
         self.interrupted = False
         self._prepare = prepare or self._prepare_cell
         self._after_cell = after_cell  # e.g. write a profiler trace of the measured cell
@@ -249,16 +295,13 @@ class Sweep:
     def run(self) -> list[Record]:
         s = self.spec
         done = 0
+        self.machine["start"] = machine_state()
         try:
             for device in s.devices:
                 problem = device_problem(device)
                 for dtype in s.dtypes:
                     if problem is None:
                         self._probe_kernels(device, dtype)
-                    if s.calibrate and problem is None:
-                        self.on_progress(f"calibrating {device} {dtype} matmul peak", done)
-                        self.peaks[(device, dtype)] = calibrate_matmul(
-                            device, DTYPES[dtype], s.threads)
                     for length in sorted(s.seq_lens):
                         cells = [(k, p) for k in s.kernels for p in s.passes]
                         if problem is not None:
@@ -275,6 +318,7 @@ class Sweep:
                 if record not in self.records:
                     record.status = "interrupted" if not timer.samples else "ok (interrupted)"
                     self._finish(record, timer, prepared)
+        self.machine["end"] = machine_state()
         return self.records
 
     def _probe_kernels(self, device: str, dtype: str) -> None:
@@ -325,26 +369,43 @@ class Sweep:
             live.append((record, timer, prepared))
 
         self._live = live
+        self._peak = None
+        if s.calibrate and live:
+            self._peak = matmul_timer(device, DTYPES[dtype], s.threads, s.calibrate_size)
+            self._peak.warm_up(s.min_time / 5)
+        self._contention = Contention() if device == "cpu" else None
         rounds = 0
         while live:
             rounds += 1
-            random.shuffle(live)
+            order = live + ([None] if self._peak is not None else [])  # None: the matmul peak
+            random.shuffle(order)
             still = []
-            for record, timer, prepared in live:
+            for item in order:
+                if item is None:
+                    self._peak.block()
+                    continue
+                record, timer, prepared = item
                 self.on_progress(f"L={length} {record.kernel} {record.pass_} {device} {dtype}: "
                                  f"round {rounds}", done)
                 try:
                     timer.block()
                 except Exception as err:
                     record.status = _failure(err)
-                spent = sum(timer.samples) * timer.number
-                enough = (spent >= s.min_time and len(timer.samples) >= 3) or spent >= s.max_time
+                # An unreliable cell gets more rounds, up to --max-time, before it is given up.
+                enough = (timer.spent >= s.min_time and timer.reliable()) \
+                    or timer.spent >= s.max_time
                 if record.status != "ok" or enough:
                     self._finish(record, timer, prepared)
                     done += 1
                 else:
-                    still.append((record, timer, prepared))
+                    still.append(item)
             live = self._live = still
+        if self._peak is not None:
+            self.calibration.append({
+                "device": device, "dtype": dtype, "seq_len": length,
+                "matmul": f"{s.calibrate_size}×{s.calibrate_size}",
+                "flops_per_s": 2 * s.calibrate_size ** 3 / self._peak.median,
+                "dispersion": self._peak.dispersion, "n": len(self._peak.samples)})
         return done
 
     def _shortfall(self, length: int, kernel: str, which: str, device: str,
@@ -368,12 +429,30 @@ class Sweep:
         if record.status.startswith("ok"):
             record.median_s, record.iqr_s = timer.median, timer.iqr
             record.n, record.runs = len(timer.samples), timer.runs
+            record.samples_s = list(timer.samples)
+            record.dispersion = timer.dispersion
             record.flops = prepared.flops
             record.flops_per_s = prepared.flops / timer.median
             record.attention_share = prepared.attention_share
             record.tokens_per_s = prepared.tokens / timer.median
-            peak = self.peaks.get((record.device, record.dtype)) or _gpu_peak(record)
+            if self._peak is not None and self._peak.samples:  # measured in the same rounds
+                record.peak_flops_per_s = 2 * self.spec.calibrate_size ** 3 / self._peak.median
+            peak = record.peak_flops_per_s or _gpu_peak(record)
             record.pct_peak = 100 * record.flops_per_s / peak if peak else None
+            why = []
+            if len(timer.samples) < 3:
+                why.append(f"{len(timer.samples)} sample(s) within --max-time")
+            if record.dispersion is not None and record.dispersion > RELIABLE_DISPERSION:
+                why.append(f"IQR {100 * record.dispersion:.0f}% of the median")
+            others = self._contention.others() if self._contention is not None else None
+            record.others_busy_cpus = others
+            free = (self._contention.cpus - record.threads) if self._contention else 0
+            if others is not None and others > free + BUSY_MARGIN:
+                why.append(f"other processes kept {others:.1f} of {self._contention.cpus} CPUs "
+                           f"busy beside its {record.threads} thread(s)")
+            if record.pct_peak is not None and record.pct_peak > 100:
+                why.append(f"{record.pct_peak:.0f}% of the measured peak: a measurement problem")
+            record.reliable, record.unreliable_why = not why, "; ".join(why)
             if self._after_cell is not None and record.status == "ok":
                 self._after_cell(record, prepared)
         self._emit(record)

@@ -6,11 +6,19 @@ Built on ``torch.utils.benchmark.Timer``; each call of :meth:`CellTimer.block` a
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+# A cell whose IQR exceeds this share of its median is not reliable (pyperf warns likewise when
+# the standard deviation passes 10 % of the mean): neighbouring processes, frequency changes or
+# too few samples moved its runs more than the differences a sweep is meant to show.
+RELIABLE_DISPERSION = 0.10
+CALIBRATION_SIZE = 1024  # n of the n×n matmul timed as the device's peak: 2n³ FLOPs per run
 
 
 def synchronize(device: str) -> None:
@@ -65,6 +73,19 @@ class CellTimer:
         q = statistics.quantiles(self.samples, n=4, method="inclusive")
         return q[2] - q[0]
 
+    @property
+    def dispersion(self) -> float | None:
+        """IQR / median of the samples so far (None before any)."""
+        return self.iqr / self.median if self.samples and self.median > 0 else None
+
+    @property
+    def spent(self) -> float:
+        return sum(self.samples) * self.number
+
+    def reliable(self) -> bool:
+        d = self.dispersion
+        return len(self.samples) >= 3 and d is not None and d <= RELIABLE_DISPERSION
+
 
 def peak_memory(fn: Callable[[], object], device: str) -> tuple[int, str]:
     """Peak bytes allocated while ``fn`` runs, above what was allocated before, and the method."""
@@ -82,13 +103,77 @@ def peak_memory(fn: Callable[[], object], device: str) -> tuple[int, str]:
     return 0, "not measured on this device"
 
 
-def calibrate_matmul(device: str, dtype: torch.dtype, threads: int, size: int = 2048,
-                     seconds: float = 1.0) -> float:
-    """This machine's matmul throughput (FLOP/s) for ``dtype``: the peak to compare with."""
+def matmul_timer(device: str, dtype: torch.dtype, threads: int,
+                 size: int = CALIBRATION_SIZE) -> CellTimer:
+    """A timer of one n×n matmul: the device's peak FLOP/s for ``dtype`` (2n³ / median). The
+    sweep runs a block of it in every round, beside the cells, so the peak is measured under the
+    same conditions as they are."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    timer = CellTimer(lambda: a @ b, device, threads)
+    return CellTimer(lambda: a @ b, device, threads)
+
+
+def calibrate_matmul(device: str, dtype: torch.dtype, threads: int,
+                     size: int = CALIBRATION_SIZE, seconds: float = 1.0) -> float:
+    """This machine's matmul throughput (FLOP/s) for ``dtype``, measured on its own."""
+    timer = matmul_timer(device, dtype, threads, size)
     timer.warm_up(seconds / 5)
-    while sum(timer.samples) * timer.number < seconds or len(timer.samples) < 3:
+    while timer.spent < seconds or len(timer.samples) < 3:
         timer.block()
     return 2 * size ** 3 / timer.median
+
+
+def machine_state(window: float = 0.25) -> dict:
+    """What else the machine is doing: load averages and how many CPUs were busy (non-idle
+    jiffies in /proc/stat over ``window`` seconds, in CPUs). Empty where /proc is absent."""
+    state: dict = {"cpus": os.cpu_count()}
+    try:
+        state["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    try:
+        first = _cpu_jiffies()
+        time.sleep(window)
+        second = _cpu_jiffies()
+    except (OSError, ValueError):
+        return state
+    total = sum(second) - sum(first)
+    idle = (second[3] + second[4]) - (first[3] + first[4])  # idle + iowait
+    if total > 0:
+        state["busy_cpus"] = round((total - idle) / total * len(_cpu_lines()), 2)
+    return state
+
+
+class Contention:
+    """How many CPUs other processes kept busy since this object was made: the machine's non-idle
+    time (/proc/stat) less this process's own CPU time, over the wall time. None without /proc."""
+
+    def __init__(self) -> None:
+        self.cpus = os.cpu_count() or 1
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        try:
+            jiffies = _cpu_jiffies()
+        except (OSError, ValueError):
+            return None
+        busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
+        return busy, time.process_time(), time.monotonic()
+
+    def others(self) -> float | None:
+        now = self._now()
+        if self.start is None or now is None or now[2] - self.start[2] < 0.05:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, now, strict=True))
+        return round(min(max((busy - own) / wall, 0.0), float(self.cpus)), 2)
+
+
+def _cpu_lines() -> list[str]:
+    with open("/proc/stat") as f:
+        return [line for line in f if line.startswith("cpu") and line[3].isdigit()]
+
+
+def _cpu_jiffies() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]

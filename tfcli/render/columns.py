@@ -20,6 +20,7 @@ class Col:
     rank: int  # 0 = most important: left out last
     cells: list = field(default_factory=list)  # str or Text, one per row
     short: str | None = None  # abbreviated header, tried before anything is left out
+    short_cells: list | None = None  # abbreviated cells, shown with the abbreviated headers
     justify: str = "left"
     wrap: int | None = None  # may wrap, down to this many characters; None: one line
 
@@ -57,8 +58,9 @@ def _build(columns: list[Col], short: bool, table_args: dict, measuring: bool) -
             table.add_column(header, justify=c.justify, overflow="fold",
                              max_width=least if measuring else None,
                              min_width=None if measuring else least)
-    for i in range(max((len(c.cells) for c in columns), default=0)):
-        table.add_row(*(c.cells[i] if i < len(c.cells) else "" for c in columns))
+    cells = [c.short_cells if short and c.short_cells is not None else c.cells for c in columns]
+    for i in range(max((len(c) for c in cells), default=0)):
+        table.add_row(*(c[i] if i < len(c) else "" for c in cells))
     return table
 
 
