@@ -1,0 +1,70 @@
+"""Per-rank memory measured by torch.distributed's own tracker, without a cluster.
+
+:func:`fsdp_fake_memory` shards tfcli's model with FSDP2 ``fully_shard`` (one unit per layer and
+the root) on torch.distributed's fake process group — a world of N ranks in one process, whose
+collectives do nothing — and runs two training steps under FakeTensorMode (no memory is
+allocated) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts
+every live tensor into sharded/unsharded parameters, gradients, optimizer state, activations,
+temporaries and all-gather / reduce-scatter buffers. These are torch's figures, not tfcli's: the
+tests hold :mod:`tfcli.dist.plan` to them.
+"""
+
+from __future__ import annotations
+
+from tfcli.errors import TfcliError
+from tfcli.model.config import Config
+
+
+def _by_name(snapshot: dict) -> dict[str, int]:
+    (per_device,) = snapshot.values()  # one device: cpu
+    return {getattr(k, "value", k): int(v) for k, v in per_device.items()}
+
+
+def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[str, dict]:
+    """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks: ``after_backward`` (all
+    sharded gradients present) and ``peak``, each {category: bytes} as the tracker names them
+    ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tfcli.model.transformer import build_model
+    from tfcli.subjects.own import OwnSubject
+
+    if dist.is_initialized():
+        raise TfcliError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        # The mesh reads its rank table with .tolist(): build it before fake tensors exist.
+        mesh = init_device_mesh("cpu", (world,))
+        subject = OwnSubject(cfg)
+        with FakeTensorMode():
+            model = build_model(cfg, "cpu")
+            for stack in (model.encoder, model.decoder):
+                for layer in (stack.layers if stack is not None else []):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+            inputs = subject.make_inputs(model, {"B": batch, "S": seq_len, "T": seq_len}, "cpu")
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(inputs.tensors()))
+            snapshots = {}
+            with tracker:
+                for step in range(2):  # the first step creates the optimizer state
+                    loss = subject.loss(inputs(model))
+                    loss.backward()
+                    if step == 1:
+                        snapshots["after_backward"] = _by_name(tracker.get_tracker_snapshot())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    del loss
+                    if step == 0:
+                        tracker.reset_mod_stats()
+            snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
+        return snapshots
+    finally:
+        dist.destroy_process_group()
