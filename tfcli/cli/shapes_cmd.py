@@ -175,7 +175,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"  as torch runs it: {flops_text(as_torch)} ({as_torch:,})")
     if reconciled:
         console.print(f"  reconciled: the differences above account for torch's count exactly "
-                      f"({counter.corrected:,})")
+                      f"({counter.corrected:,})" if reasons else
+                      f"  equal to torch's count ({counter.corrected:,})")
     elif not causal_flops:
         console.print(f"  not reconciled: {counter.corrected - (as_torch or forward):+,} FLOPs "
                       f"that tfcli cannot explain", style="yellow")
