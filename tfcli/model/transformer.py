@@ -88,6 +88,9 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # shapes only: no values, no memory
+            self.register_buffer("table", torch.empty(max_len, d_model), persistent=False)
+            return
         # Computed on the CPU (deterministic) and moved to the build device: on meta, arange and
         # friends would go through torch._refs, which imports torch._dynamo (~0.9 s).
         cpu = torch.device("cpu")
