@@ -20,9 +20,11 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
                 raise _error(f"{option} applies to --model; tfcli's own model takes "
                              f"--preset/--config/--set")
         from tfcli.model.config import load_config
+
+        cfg = load_config(preset, config, overrides or [])  # before torch: bad input is instant
         from tfcli.subjects.own import OwnSubject
 
-        return OwnSubject(load_config(preset, config, overrides or []), preset)
+        return OwnSubject(cfg, preset)
     given = [o for o, v in (("--preset", preset), ("--config", config), ("--set", overrides))
              if v]
     if given:
