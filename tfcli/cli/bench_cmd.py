@@ -220,13 +220,14 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
                 records = sweep.run()
             except _WriteFailed as error:
                 records, failed = sweep.records, str(error)
-        written = _finish_outputs(csv_out, plot, records, sweep.interrupted or failed is not None)
+        fitted = fits(records)
+        env = environment(spec, sweep.kernels_ok, sweep)
+        written = _finish_outputs(csv_out, plot, records, sweep.interrupted or failed is not None,
+                                  (spec, fitted, env))
     except BaseException:
         if csv_out is not None:
             csv_out.discard()
         raise
-    fitted = fits(records)
-    env = environment(spec, sweep.kernels_ok, sweep)
     if json_out:
         print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
                     "records": [r.to_dict() for r in records],
@@ -252,7 +253,7 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
 
 
 def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,
-                    partial: bool) -> list[str]:
+                    partial: bool, plot_context: tuple = ()) -> list[str]:
     """Rename the CSV into place and draw the plot, atomically; after an interruption or a
     failure an existing file is left as it was. Returns the lines saying what was written."""
     lines = []
@@ -273,7 +274,7 @@ def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,
 
         out = AtomicFile(plot)
         try:
-            save_plot(records, out.temp)
+            save_plot(records, out.temp, *plot_context)  # spec, fits, environment
             out.commit()
         except (OSError, ValueError, RuntimeError) as error:
             out.discard()
