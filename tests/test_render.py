@@ -111,3 +111,53 @@ def test_noise_is_said_in_words():
     # the steady series has a narrow interval and no warning
     fwdbwd = text[text.index("sdpa fwdbwd cpu fp32, L ="):].splitlines()
     assert not fwdbwd[2].strip().startswith("not reliable")
+
+
+# --- pictures -----------------------------------------------------------------------------------
+
+def test_mask_ticks_stay_legible_at_40_and_400_positions():
+    from tfcli.render.masks_png import tick_positions
+
+    assert tick_positions(12) == list(range(12))
+    for n in (40, 41, 400, 4096):
+        ticks = tick_positions(n)
+        assert len(ticks) <= 21 and ticks[0] == 0 and ticks[-1] <= n - 1
+        assert min(b - a for a, b in zip(ticks, ticks[1:])) >= ticks[1] - ticks[0]
+
+
+def test_mask_png_uses_no_red_or_green():
+    from matplotlib.colors import to_rgb
+
+    from tfcli.render.masks_png import ALLOWED_COLOUR, BLOCKED_COLOUR
+
+    for colour in (ALLOWED_COLOUR, BLOCKED_COLOUR):
+        r, g, b = to_rgb(colour)
+        assert not (r > g + 0.2 and r > b + 0.2) and not (g > r + 0.2 and g > b + 0.2)
+    # and they differ in lightness, not only in hue
+    assert abs(sum(to_rgb(ALLOWED_COLOUR)) - sum(to_rgb(BLOCKED_COLOUR))) > 1.0
+
+
+def test_bench_plot_title_says_what_was_measured():
+    from tfcli.bench.sweep import Spec
+    from tfcli.render.bench_plot import title_for
+
+    spec = Spec("attention", [256], ["sdpa"], ["fwd"], ["cpu"], ["fp32"], heads=8, head_dim=64,
+                causal=True, threads=1)
+    title = title_for(fixed_records(), spec, {"devices": {"cpu": "Some CPU"}})
+    for part in ("B = 1", "h = 8", "d_k = 64", "causal", "fp32", "1 thread", "cpu (Some CPU)"):
+        assert part in title, title
+
+
+def test_bench_plot_is_the_same_whatever_the_order_of_records(tmp_path):
+    """Colours, styles and legend order are fixed per kernel and pass, not by arrival order."""
+    import random
+
+    from tfcli.render.bench_plot import save_plot
+
+    records = fixed_records(kernels=("naive", "sdpa"))
+    records[1].reliable = False
+    shuffled = records[:]
+    random.Random(1).shuffle(shuffled)
+    save_plot(records, tmp_path / "a.png", None, fits(records))
+    save_plot(shuffled, tmp_path / "b.png", None, fits(shuffled))
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
