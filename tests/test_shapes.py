@@ -235,3 +235,29 @@ def test_backward_flops_reconcile_exactly_with_flop_counter(cli, args):
         assert data["forward"] * 3 == 4_242_087_936
         assert data["flop_counter_corrected"] == data["forward_backward_as_torch_runs_it"] \
             == 4_191_756_288
+
+
+def test_attention_written_with_einsum_and_additive_masks_is_seen():
+    """Score shape, mask, weights and FLOPs for attention in code tfcli did not write: einsum
+    products and an additive mask, checked against FlopCounterMode on the same run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x, bias):
+            q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).unbind(2)  # [B, L, h, d_k]
+            scores = torch.einsum("blhd,bmhd->bhlm", q, k) / 8 ** 0.5 + bias
+            return torch.einsum("bhlm,bmhd->blhd", scores.softmax(-1), v).flatten(2)
+
+    model, x, bias = Attention(), torch.randn(3, 5, 16), torch.zeros(1, 1, 5, 5)
+    events = trace(model, {"x": x, "bias": bias})
+    labels = [(d.label, d.shape) for d in events[0].details]
+    assert labels == [("scores Q·Kᵀ/√d_k", [3, 2, 5, 5]), ("mask", [1, 1, 5, 5]),
+                      ("weights softmax", [3, 2, 5, 5]), ("weights·V", [3, 5, 2, 8])]
+    with FlopCounterMode(display=False) as counter:
+        model(x, bias)
+    assert events[0].flops == counter.get_total_flops()
+    assert events[0].attention_flops == 2 * 2 * 3 * 2 * 5 * 5 * 8

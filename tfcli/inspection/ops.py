@@ -156,8 +156,16 @@ class OpObserver(TorchFunctionMode):
             operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) \
                 else args[1]
             flops = _einsum_flops(args[0], operands)
-            self._emit(Op("matmul", list(out.shape), flops,
-                          backward=flops * sum(_needs(t) for t in operands)))
+            backward = flops * sum(_needs(t) for t in operands)
+            pair = len(operands) == 2 and all(_is_activation(t) for t in operands)
+            if pair and operands[0] in self._weights:  # "bhqk,bhkd->bhqd": weights·V
+                self._emit(Op("weights·V", list(out.shape), flops, True, backward=backward))
+            elif pair:  # "bhqd,bhkd->bhqk": scores if a softmax takes them next
+                op = Op("matmul", list(out.shape), flops, backward=backward)
+                self._scores[out] = (op, None)
+                self._emit(op)
+            else:
+                self._emit(Op("linear", list(out.shape), flops, backward=backward))
         elif func is F.scaled_dot_product_attention:
             self._sdpa(args, kwargs, out)
         elif func in _FILLS and args[0] in self._scores:
