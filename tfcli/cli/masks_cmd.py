@@ -66,7 +66,7 @@ def masks(
     batch_index: Annotated[int, typer.Option(min=0, help="Which sequence to draw.")] = 0,
     convention: Annotated[Convention, typer.Option(
         help="bool-allowed (SDPA), bool-blocked (nn.MultiheadAttention), keep-01 (tutorials' "
-             "masked_fill(mask == 0, -inf)) or additive (0 / -inf).")] = Convention.bool_allowed,
+             "masked_fill(mask == 0, -1e9)) or additive (0 / -inf).")] = Convention.bool_allowed,
     check: Annotated[bool, typer.Option(
         "--check", help="Run the model's attention on the batch and verify it obeys the masks "
                         "(exit code 1 if not).")] = False,

@@ -25,7 +25,7 @@ Convention = Literal["bool-allowed", "bool-blocked", "keep-01", "additive"]
 CONVENTIONS: dict[str, str] = {
     "bool-allowed": "bool, True = may attend (F.scaled_dot_product_attention)",
     "bool-blocked": "bool, True = blocked (nn.MultiheadAttention, nn.Transformer)",
-    "keep-01": "int, 1 = keep, 0 = blocked (many tutorials: masked_fill(mask == 0, -inf))",
+    "keep-01": "int, 1 = keep, 0 = blocked (many tutorials: masked_fill(mask == 0, -1e9))",
     "additive": "float, 0 = may attend, -inf = blocked (added to the scores)",
 }
 
