@@ -161,3 +161,44 @@ def test_bench_plot_is_the_same_whatever_the_order_of_records(tmp_path):
     save_plot(records, tmp_path / "a.png", None, fits(records))
     save_plot(shuffled, tmp_path / "b.png", None, fits(shuffled))
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+# --- mask conventions: what the grids say about rows with no allowed key is what torch does ------
+
+def test_rows_with_no_allowed_key_behave_as_the_grids_say():
+    import torch
+    import torch.nn.functional as F
+
+    from tfcli.render.masks import EMPTY_ROW
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4)
+    allowed = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
+    scores = x @ x.transpose(-1, -2)
+    minus_1e9 = torch.softmax(scores.masked_fill(~allowed, -1e9), -1)[0, 1]
+    minus_inf = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[0, 1]
+    assert torch.allclose(minus_1e9, torch.full((3,), 1 / 3)) and "equal weights" in EMPTY_ROW["keep-01"]
+    assert minus_inf.isnan().all() and "-inf → NaN" in EMPTY_ROW["keep-01"]
+    sdpa = F.scaled_dot_product_attention(x[None], x[None], x[None], attn_mask=allowed)[0, 0, 1]
+    assert (sdpa == 0).all() and "SDPA (torch 2.13) and tfcli give zeros" in EMPTY_ROW["bool-allowed"]
+    mha = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
+    with torch.no_grad():
+        out = mha(x, x, x, attn_mask=~allowed)[0][0, 1]
+    assert out.isnan().all() and "nn.MultiheadAttention gives NaN" in EMPTY_ROW["bool-blocked"]
+
+
+@pytest.mark.parametrize("convention", ["bool-blocked", "keep-01", "additive"])
+def test_a_converted_grid_never_sits_under_true_means_may_attend(cli, convention):
+    result = cli("masks", "--preset", "tiny", "--convention", convention, env={"NO_COLOR": "1"})
+    assert result.exit_code == 0, result.stderr
+    assert "True = may attend" not in result.stdout
+
+
+def test_multihead_attention_shapes_are_2d_or_3d(cli):
+    result = cli("masks", "--preset", "tiny", "--convention", "bool-blocked",
+                 env={"NO_COLOR": "1", "COLUMNS": "200"})
+    lines = [line for line in result.stdout.splitlines() if "nn.MultiheadAttention takes" in line]
+    assert lines and all("[B, h" not in line for line in lines)
+    assert "attn_mask [5, 5] (2-D)" in result.stdout  # causal: one mask for every sequence
+    assert "key_padding_mask [B, 6] = [2, 6]" in result.stdout  # tiny's default --src-lens 4,6
+    assert "attn_mask [B·h, 5, 5] = [8, 5, 5]" in result.stdout  # the combined decoder mask
