@@ -307,3 +307,54 @@ def test_masks_bad_input_for_any_model(cli, args, words):
     result = cli("masks", *args)
     assert result.exit_code == 2, result.stdout
     assert words in result.stderr and result.stderr.count("\n") == 1
+
+
+REUSED = """import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.cross_attn = self.self_attn  # the tutorial bug: one attention for both
+        self.ff = nn.Linear(16, 16)
+
+    def forward(self, x, memory):
+        x = self.self_attn(x, x, x, need_weights=False)[0]
+        x = self.cross_attn(x, memory, memory, need_weights=False)[0]
+        return self.ff(x)
+"""
+
+
+def test_a_module_reached_under_two_paths_is_flagged_once(cli, tmp_path):
+    path = write(tmp_path, REUSED)
+    data = run_json(cli, "params", "--model", f"{path}:Layer")
+    assert data["reused_modules"] == [["self_attn", "cross_attn"]]  # not its children again
+    model = load_module(path).Layer()
+    assert data["total_params"] == sum(p.numel() for p in model.parameters())
+    text = cli("params", "--model", f"{path}:Layer").stdout
+    assert "one module object is used at self_attn, cross_attn" in text
+
+
+def test_multihead_attention_flops_reconcile_with_flop_counter(cli, tmp_path):
+    """nn.MultiheadAttention runs in one torch function: its FLOPs come from its sizes, and
+    forward and backward (inputs needing no gradient) equal FlopCounterMode's count."""
+    path = write(tmp_path, REUSED)
+    args = ["--model", f"{path}:Layer", "--input", "x=float32[B,T,16]", "--input",
+            "memory=float32[B,S,16]", "--batch-size", "3"]
+    forward = run_json(cli, "shapes", *args)["flops"]
+    assert forward["reconciled_exactly"] and forward["forward"] == forward["flop_counter"]
+    both = run_json(cli, "shapes", *args, "--backward")["flops"]
+    assert both["reconciled_exactly"]
+    assert both["forward_backward_as_torch_runs_it"] == both["flop_counter"]
+    scores = [d["shape"] for e in run_json(cli, "shapes", *args)["events"]
+              for d in e["details"] if d["label"].startswith("scores")]
+    assert scores == [[3, 2, 7, 7], [3, 2, 7, 9]]  # self-, then cross-attention [B, h, T, S]
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("reused_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

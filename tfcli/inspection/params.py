@@ -115,6 +115,14 @@ def _kind(module_chain: list[nn.Module], parts: list[str]) -> str:
     return "output" if parts and parts[0] in OUTPUT_NAMES else "other"
 
 
+def _outermost(groups: list[list[str]]) -> list[list[str]]:
+    """A reused module's children are reused with it: report the module, not each child."""
+    def inside(paths: list[str], other: list[str]) -> bool:
+        return paths is not other and all(any(p.startswith(o + ".") for o in other)
+                                           for p in paths)
+    return [g for g in groups if not any(inside(g, other) for other in groups)]
+
+
 def param_report(model: nn.Module) -> ParamReport:
     owner: dict[int, str] = {}  # id(parameter) -> owning name
     names: dict[int, list[str]] = {}
@@ -165,7 +173,7 @@ def param_report(model: nn.Module) -> ParamReport:
         trainable_params=sum(p.numel() for p in unique.values() if p.requires_grad),
         buffers=buffers,
         aliases=[names[pid] for pid in unique if len(names[pid]) > 1],
-        reused_modules=[paths for paths in module_paths.values() if len(paths) > 1],
+        reused_modules=_outermost([paths for paths in module_paths.values() if len(paths) > 1]),
         by_component=by_component, by_kind={k: v for k, v in by_kind.items() if v},
         check_total=sum(p.numel() for p in model.parameters()),
     )

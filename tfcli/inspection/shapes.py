@@ -94,20 +94,28 @@ def _details(ops: list[Op]) -> list[Detail]:
     return out
 
 
-def _mha(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple[int, int, list]:
+def _mha(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple[int, int, int, list]:
     """nn.MultiheadAttention runs inside one torch function (no ops to observe): its FLOPs
-    and score shape from its own sizes. Returns (flops, attention flops, details)."""
+    and score shape from its own sizes. Returns (flops, attention flops, backward as autograd
+    runs it, details)."""
     query = args[0] if args else kwargs["query"]
     key = args[1] if len(args) > 1 else kwargs.get("key", query)
+    value = args[2] if len(args) > 2 else kwargs.get("value", key)
     seq_dim = 1 if module.batch_first or query.dim() == 2 else 0
     batch = query.size(1 - seq_dim) if query.dim() == 3 else 1
     t, s, e, h = query.size(seq_dim), key.size(seq_dim), module.embed_dim, module.num_heads
-    projections = 2 * batch * (t * e * e + s * e * (module.kdim + module.vdim) + t * e * e)
+    q_proj, out_proj = 2 * batch * t * e * e, 2 * batch * t * e * e
+    k_proj, v_proj = 2 * batch * s * module.kdim * e, 2 * batch * s * module.vdim * e
     core = 4 * batch * t * s * e
+    # weight gradients of all four projections; the core and out_proj's input always need
+    # theirs; an input's own gradient only when it requires one
+    backward = (q_proj + k_proj + v_proj + 2 * out_proj + 2 * core
+                + q_proj * query.requires_grad + k_proj * key.requires_grad
+                + v_proj * value.requires_grad)
     scores = [batch, h, t, s]
-    return projections + core, core, [Detail("scores Q·Kᵀ/√d_k", scores),
-                                      Detail("weights softmax", scores),
-                                      Detail("weights·V", [batch, h, t, e // h])]
+    return q_proj + k_proj + v_proj + out_proj + core, core, backward, [
+        Detail("scores Q·Kᵀ/√d_k", scores), Detail("weights softmax", scores),
+        Detail("weights·V", [batch, h, t, e // h])]
 
 
 def trace(model: nn.Module, inputs, causal_half: bool = False,
@@ -134,8 +142,8 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
                            stack[-1].order if stack else None,
                            shapes_of(args) + shapes_of(kwargs))
         if isinstance(module, nn.MultiheadAttention):
-            event.flops, event.attention_flops, event.details = _mha(module, args, kwargs)
-            event.backward_torch = 2 * event.flops
+            event.flops, event.attention_flops, event.backward_torch, event.details = _mha(
+                module, args, kwargs)
         events.append(event)
         stack.append(event)
 
