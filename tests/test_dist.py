@@ -226,25 +226,21 @@ def test_tp_plan_agrees_with_torch_parallelize_module(tracked):
 
 @pytest.fixture(scope="module")
 def gloo():
-    """In one fresh process: a single-process step, the same step on two real gloo ranks
-    (spawned, rendezvous on 127.0.0.1) under DDP, FSDP2 and tensor parallelism, and a launch
-    in which rank 1 fails while rank 0 waits in a collective."""
+    """In one fresh process: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
+    spawned, rendezvous on 127.0.0.1) for DDP, FSDP2 and tensor parallelism — each first
+    compared with a single-process step on the same weights and batch, then timed — and a
+    launch in which rank 1 fails while rank 0 waits in a collective."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
     return run_python(f"""
         import json, multiprocessing, time
+        from tfcli.dist.bench import run
         from tfcli.dist.launch import RankError, run_ranks
-        from tfcli.dist.workers import fail_rank, parallel_steps, reference_step
-        cfg = {cfg!r}
-        ref = reference_step(cfg, 4, 16)
-        ranks = run_ranks(parallel_steps, 2, (["ddp", "fsdp", "tp"], cfg, 4, 16), timeout=90)
-        out = {{"ref": ref["loss"].item()}}
-        for s in ("ddp", "fsdp", "tp"):
-            losses = [r[s]["loss"].item() for r in ranks]
-            loss = sum(losses) / 2 if s != "tp" else losses[0]
-            grad_err = max((r[s]["grads"][n] - g).abs().max().item()
-                           for r in ranks for n, g in ref["grads"].items())
-            names = all(sorted(r[s]["grads"]) == sorted(ref["grads"]) for r in ranks)
-            out[s] = [loss, grad_err, names]
+        from tfcli.dist.workers import fail_rank
+        from tfcli.model.config import Config
+        from tfcli.model.transformer import build_model
+        out = {{"records": run({cfg!r}, 2, ["ddp", "fsdp", "tp"], "gloo", 4, [16], steps=2,
+                               timeout=120)}}
+        out["numel"] = sum(p.numel() for p in build_model(Config(**{cfg!r})).parameters())
         start = time.monotonic()
         try:
             run_ranks(fail_rank, 2, (1,), timeout=60)
@@ -253,19 +249,47 @@ def gloo():
             out["fail"] = [str(err), err.rank]
         out["fail"] += [len(multiprocessing.active_children()), time.monotonic() - start]
         print(json.dumps(out))
-        """, timeout=200)
+        """, timeout=240)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_two_gloo_ranks_reproduce_the_single_process_step(gloo, strategy):
     """Loss and every gradient equal one process's step on the same weights and batch."""
-    loss, grad_err, same_names = gloo[strategy]
-    assert same_names
-    assert loss == pytest.approx(gloo["ref"], rel=1e-5)
-    assert grad_err < 1e-5
+    records = [r for r in gloo["records"] if r["strategy"] == strategy]
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["steps"] == 2
+        assert r["parity"], r
+        assert r["parity_loss_rel_err"] < 1e-5 and r["parity_grad_max_abs_err"] < 1e-5
+        assert r["median_s"] > 0 and r["peak_bytes"] > 0
+        assert "not representative of GPUs" in r["note"]
+
+
+def test_collective_volumes_per_strategy(gloo):
+    """DDP all-reduces every gradient once (fp32: 4 B per parameter, counted by torch); FSDP2
+    gathers each rank's shards (forward, and the layers again in backward) and reduce-scatters
+    full gradients; TP all-reduces activations."""
+    by = {r["strategy"]: r for r in gloo["records"] if r["rank"] == 0}
+    grads = 4 * gloo["numel"]
+    assert by["ddp"]["comm_bytes"] == {"allreduce_": grads}
+    fsdp = by["fsdp"]["comm_bytes"]
+    assert grads <= fsdp["_reduce_scatter_base_"] < 1.05 * grads  # + padding to the world
+    assert grads / 2 <= fsdp["_allgather_base_"] < grads
+    assert by["tp"]["comm_counts"]["all_reduce"] > 0 and "allreduce_" not in by["tp"]["comm_bytes"]
 
 
 def test_a_failing_rank_ends_every_rank_and_is_named(gloo):
     message, rank, alive, seconds = gloo["fail"]
     assert rank == 1 and "rank 1 of 2 failed: RuntimeError: rank 1 failed on purpose" in message
     assert alive == 0 and seconds < 60
+
+
+def test_nccl_without_gpus_is_refused_in_one_line():
+    import torch
+
+    from tfcli.dist.bench import check_backend
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(TfcliError, match="--backend nccl needs 2 CUDA GPUs .* has 0"):
+        check_backend("nccl", 2)

@@ -527,14 +527,42 @@ def parse_device_memory(text: str) -> tuple[int, str]:
 
 
 def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> int | None:
-    """The largest x in [low, high] with evaluate(x) <= capacity, assuming memory grows with x
-    (bisection); None when even ``low`` does not fit."""
-    if evaluate(low) > capacity:
+    """The largest x in [low, high] with evaluate(x) <= capacity, assuming memory grows with x;
+    None when even ``low`` does not fit. Memory is nearly affine in the batch, so the first
+    guess extrapolates from x = low and low + 1; galloping from the guess and bisection correct
+    it (a handful of replays, not log2(high))."""
+    fits = lambda x: evaluate(x) <= capacity  # noqa: E731
+    first = evaluate(low)
+    if first > capacity:
         return None
-    while low < high:
-        mid = (low + high + 1) // 2
-        if evaluate(mid) <= capacity:
-            low = mid
+    if low == high:
+        return low
+    second = evaluate(low + 1)
+    if second > capacity:
+        return low
+    lo, hi = low + 1, high  # invariant: lo fits; the answer lies in [lo, hi]
+    guess = min(hi, lo + (capacity - second) // max(second - first, 1))
+    step = 1
+    if fits(guess):
+        lo = guess
+        while lo < hi:  # gallop up
+            probe = min(lo + step, hi)
+            if not fits(probe):
+                hi = probe - 1
+                break
+            lo, step = probe, step * 2
+    else:
+        hi = guess - 1
+        while lo < hi:  # gallop down
+            probe = max(hi - step, lo)
+            if fits(probe):
+                lo = probe
+                break
+            hi, step = probe - 1, step * 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
         else:
-            high = mid - 1
-    return low
+            hi = mid - 1
+    return lo

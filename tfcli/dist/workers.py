@@ -69,13 +69,15 @@ def tensor_parallel(model, mesh) -> None:
         parallelize_module(layer, mesh, plan)
 
 
-def parallel_step(rank: int, world: int, strategy: str, cfg_dict: dict, batch: int,
-                  seq_len: int, seed: int = 0) -> dict[str, Any]:
-    """One step on this rank under ``strategy``: its loss and the full gradients."""
-    import torch
+def prepare(rank: int, world: int, strategy: str, cfg_dict: dict, batch: int, seq_len: int,
+            seed: int = 0, device: str = "cpu"):
+    """(model, runner, subject, inputs) for this rank: the same weights on every rank (one
+    seed), the batch split by rows for data parallelism, the model wrapped or parallelised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, model, subject, inputs = _setup(cfg_dict, batch, seq_len, seed)
+    if device != "cpu":
+        model, inputs = model.to(f"{device}:{rank}"), inputs.to(f"{device}:{rank}")
     if strategy in ("ddp", "fsdp"):
         if batch % world:
             raise ValueError(f"batch {batch} is not divisible by {world} ranks")
@@ -88,15 +90,23 @@ def parallel_step(rank: int, world: int, strategy: str, cfg_dict: dict, batch: i
     elif strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for layer in _layers(model):
             fully_shard(layer, mesh=mesh)
         runner = fully_shard(model, mesh=mesh)
     elif strategy == "tp":
-        tensor_parallel(model, init_device_mesh("cpu", (world,)))
+        tensor_parallel(model, init_device_mesh(device, (world,)))
         runner = model
     else:
         raise ValueError(f"strategy {strategy!r}: allowed: {', '.join(STRATEGIES)}")
+    return model, runner, subject, inputs
+
+
+def parallel_step(rank: int, world: int, strategy: str, cfg_dict: dict, batch: int,
+                  seq_len: int, seed: int = 0) -> dict[str, Any]:
+    """One step on this rank under ``strategy``: its loss and the full gradients."""
+    model, runner, subject, inputs = prepare(rank, world, strategy, cfg_dict, batch, seq_len,
+                                             seed)
     loss = subject.loss(inputs(runner))
     loss.backward()
     grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()

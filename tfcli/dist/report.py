@@ -1,0 +1,105 @@
+"""``tfcli params --parallel ...``: the per-rank plan as a record, "does it fit?" and the search
+for the largest batch or length that fits, and its Rich rendering. The command module only
+parses options and calls :func:`per_rank` and :func:`render`."""
+
+from __future__ import annotations
+
+from tfcli.dist.plan import Parallel, fit, parse_device_memory, parse_parallel, plan
+from tfcli.errors import TfcliError
+from tfcli.model.config import Config
+
+FIT = ("batch", "seq-len")
+
+
+def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
+             micro_batches: int | None, checkpointing: str, dtype: str, mixed: str | None,
+             optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
+             fit_what: str | None = None) -> dict:
+    """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom; with
+    ``fit_what`` the largest batch or length that fits and the plan there."""
+    par = parse_parallel(parallel) if parallel else Parallel()
+    if fit_what is not None and fit_what not in FIT:
+        raise TfcliError(f"--fit {fit_what!r}: allowed: {', '.join(FIT)}")
+    if fit_what is not None and device_memory is None:
+        raise TfcliError("--fit needs --device-memory (e.g. 80GiB or H100) to fit into")
+    if fit_what == "batch" and seq_len is None:
+        raise TfcliError("--fit batch needs --seq-len: the length whose batch is searched")
+    if dtype == "int8" and not mixed:
+        raise TfcliError("--parallel with --dtype int8: training needs a floating dtype")
+    capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
+    limit = cfg.max_seq_len if cfg.positional != "none" else 1 << 20
+
+    def at(b: int, s: int | None):
+        return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
+                    optimizer_states, kernel=kernel)
+
+    found = None
+    if fit_what == "batch":
+        found = fit(lambda b: at(b, seq_len).total, capacity, 1, 1 << 16)
+        batch = found or batch
+    elif fit_what == "seq-len":
+        step = par.cp  # lengths each context-parallel rank can split evenly
+        best = fit(lambda k: at(batch, k * step).total, capacity, 1, limit // step)
+        found = best * step if best else None
+        seq_len = found or seq_len
+    if seq_len is not None and seq_len > limit:
+        raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
+                         f"raise it with --set max_seq_len={seq_len}")
+    result = at(batch, seq_len)
+    data = result.to_dict()
+    data["world_size"] = par.world
+    if capacity is not None:
+        data["device"] = {"name": device, "bytes": capacity,
+                          "headroom_bytes": capacity - result.total,
+                          "fits": result.total <= capacity}
+    if fit_what is not None:
+        data["fit"] = {"what": fit_what, "largest": found,
+                       "searched": "bisection over the replayed per-rank total, assuming it "
+                                   "grows with " + fit_what}
+    return data
+
+
+def render(data: dict, console) -> None:
+    from rich.table import Table
+
+    from tfcli.render import human_bytes
+
+    par, cond = data["parallel"], data["conditions"]
+    title = (f"per rank: {', '.join(f'{k}={v}' for k, v in par.items() if k != 'world_size')} "
+             f"({par['world_size']} ranks)"
+             + (f", pipeline stage {data['stage']}" if par["pp"] > 1 else ""))
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("", "left"), ("bytes", "right"), ("how", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for line in data["lines"]:
+        table.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
+    table.add_row("total", human_bytes(data["total_bytes"]), "the sum of the lines above")
+    console.print(table)
+    if data["cross_check"]:
+        check = Table(title="activations cross-check (Korthikanti et al. 2022, Table 2)",
+                      title_justify="left")
+        for name, justify in (("", "left"), ("bytes", "right"), ("how", "left")):
+            check.add_column(name, justify=justify, overflow="fold")
+        for line in data["cross_check"]:
+            check.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
+        console.print(check)
+    notes = [f"model states: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
+             f"data-parallel rank(s)"]
+    if cond["activations"]:
+        notes.append(f"activations: {cond['activations']}, checkpointing "
+                     f"{cond['checkpointing']}, {cond['micro_batches']} micro-batch(es), "
+                     f"attention kernel {cond['attention_kernel']}")
+    else:
+        notes.append("activations: not estimated (give --seq-len)")
+    if "fit" in data:
+        fit_ = data["fit"]
+        notes.append(f"largest {fit_['what']} that fits: {fit_['largest']}" if fit_["largest"]
+                     else f"nothing fits: even {fit_['what']} = 1 (or the smallest length) "
+                          f"exceeds the device")
+    if "device" in data:
+        dev = data["device"]
+        verdict = "fits" if dev["fits"] else "does NOT fit"
+        notes.append(f"device {dev['name']}: headroom {human_bytes(dev['headroom_bytes'])} "
+                     f"({verdict})")
+    for note in notes:
+        console.print(note)
