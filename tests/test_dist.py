@@ -27,12 +27,39 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (12 * GIB, 12 * GIB))
 
 
-def run_python(code: str, timeout: float) -> dict:
-    """Run ``code`` in a fresh interpreter (address space limited); it prints one JSON line."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=_limited)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+_RUNNING: dict[str, subprocess.Popen] = {}
+
+
+def start_python(name: str, code: str) -> None:
+    """Start ``code`` in a fresh interpreter (address space limited) unless it runs already:
+    the two slow checks start together, so their start-ups overlap."""
+    if name not in _RUNNING:
+        _RUNNING[name] = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, preexec_fn=_limited)
+
+
+def result_of(name: str, timeout: float) -> dict:
+    """The one JSON line ``name`` printed; killed (and failed) past ``timeout`` seconds."""
+    proc = _RUNNING[name]
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"{name} did not finish within {timeout} s")
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftovers():
+    yield
+    for proc in _RUNNING.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    _RUNNING.clear()
 
 
 def _states(p) -> int:
@@ -164,8 +191,9 @@ def tracked():
     """In one fresh process, on torch.distributed's fake process group: FSDPMemTracker's
     figures for both configurations at N = 1, 2, 8, and the local parameter counts of torch's
     Colwise/RowwiseParallel shards at t = 2."""
+    _start_gloo()
     tp_cfg = _cfg("llama").replace(n_decoder_layers=2).to_dict()
-    return run_python(f"""
+    start_python("tracked", f"""
         import json
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -190,7 +218,8 @@ def tracked():
             if kind:
                 local[kind] += (p.to_local() if hasattr(p, "to_local") else p).numel()
         print(json.dumps(out))
-        """, timeout=150)
+        """)
+    return result_of("tracked", timeout=240)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -226,12 +255,17 @@ def test_tp_plan_agrees_with_torch_parallelize_module(tracked):
 
 @pytest.fixture(scope="module")
 def gloo():
+    _start_gloo()
+    return result_of("gloo", timeout=240)
+
+
+def _start_gloo() -> None:
     """In one fresh process: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
     spawned, rendezvous on 127.0.0.1) for DDP, FSDP2 and tensor parallelism — each first
     compared with a single-process step on the same weights and batch, then timed — and a
     launch in which rank 1 fails while rank 0 waits in a collective."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
-    return run_python(f"""
+    start_python("gloo", f"""
         import json, multiprocessing, time
         from tfcli.dist.bench import run
         from tfcli.dist.launch import RankError, run_ranks
@@ -249,7 +283,7 @@ def gloo():
             out["fail"] = [str(err), err.rank]
         out["fail"] += [len(multiprocessing.active_children()), time.monotonic() - start]
         print(json.dumps(out))
-        """, timeout=240)
+        """)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
