@@ -98,6 +98,16 @@ def bench(
     seed: Annotated[int, typer.Option(min=0, max=2**63 - 1,
                                       help="Seed for inputs and weights.")] = 0,
     max_memory: MaxMemoryOpt = None,
+    nproc: Annotated[Optional[int], typer.Option(
+        min=1, max=1024, show_default=False,
+        help="Model: run training steps on N torch.distributed ranks on this machine (parity "
+             "with one process first, then timing).")] = None,
+    strategy: Annotated[Optional[str], typer.Option(
+        metavar="ddp|fsdp|tp", show_default=False,
+        help="With --nproc: DDP, FSDP2 (fully_shard per layer) or tensor parallelism.")] = None,
+    backend: Annotated[Optional[str], typer.Option(
+        metavar="gloo|nccl", show_default=False,
+        help="With --nproc: torch.distributed backend (default gloo).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
@@ -127,6 +137,10 @@ def bench(
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     if max(lengths) > BIG:
         raise TfcliError(f"--seq-lens: {max(lengths)} is beyond {BIG:,}")
+    if nproc is not None or strategy is not None or backend is not None:
+        from tfcli.dist.bench import bench_cli  # issue 14: ranks on this machine
+
+        return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out)
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
     chosen = _choices(kernels, "--kernels", allowed) if kernels is not None else allowed
