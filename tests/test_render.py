@@ -197,8 +197,8 @@ def test_a_converted_grid_never_sits_under_true_means_may_attend(cli, convention
 def test_multihead_attention_shapes_are_2d_or_3d(cli):
     result = cli("masks", "--preset", "tiny", "--convention", "bool-blocked",
                  env={"NO_COLOR": "1", "COLUMNS": "200"})
-    lines = [line for line in result.stdout.splitlines() if "nn.MultiheadAttention takes" in line]
+    lines = [line for line in result.stdout.splitlines() if "nn.MultiheadAttention:" in line]
     assert lines and all("[B, h" not in line for line in lines)
-    assert "attn_mask [5, 5] (2-D)" in result.stdout  # causal: one mask for every sequence
-    assert "key_padding_mask [B, 6] = [2, 6]" in result.stdout  # tiny's default --src-lens 4,6
-    assert "attn_mask [B·h, 5, 5] = [8, 5, 5]" in result.stdout  # the combined decoder mask
+    assert "attn_mask [T, T] = [5, 5] (2-D)" in result.stdout  # causal: one for every sequence
+    assert "key_padding_mask [B, S] = [2, 6]" in result.stdout  # tiny's default --src-lens 4,6
+    assert "attn_mask [B·h, T, T] = [8, 5, 5]" in result.stdout  # the combined decoder mask

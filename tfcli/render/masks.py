@@ -15,12 +15,10 @@ CELLS = {  # convention -> (text where attending is allowed, text where it is bl
 }
 ALLOWED, BLOCKED = "blue", "bright_black"  # not green/red: legible to colour-blind readers
 HEADERS = {  # convention -> who uses it, said above every grid drawn in it
-    "bool-allowed": "bool, True = may attend: F.scaled_dot_product_attention's attn_mask and "
-                    "tfcli's own",
-    "bool-blocked": "bool, True = blocked: nn.MultiheadAttention's attn_mask and "
-                    "key_padding_mask",
-    "keep-01": "int, 1 = keep: tutorials' scores.masked_fill(mask == 0, -1e9)",
-    "additive": "float, added to the scores: 0 = may attend, -inf = blocked",
+    "bool-allowed": "SDPA's attn_mask, tfcli's own",
+    "bool-blocked": "nn.MultiheadAttention's attn_mask and key_padding_mask",
+    "keep-01": "tutorials' scores.masked_fill(mask == 0, -1e9)",
+    "additive": "a float mask added to the scores",
 }
 EMPTY_ROW = {  # convention -> what a query row with no allowed key becomes (tests/test_render.py)
     "bool-allowed": "no allowed key: SDPA (torch 2.13) and tfcli give zeros",
@@ -75,19 +73,20 @@ def grid(named: NamedMask, allowed, q_valid, k_valid, batch: int, convention: st
 
 def _stored(shape: list[int], convention: str) -> str:
     how = ("bool, True = may attend" if convention == "bool-allowed"
-           else "tfcli's bool-allowed; drawn below converted")
+           else "tfcli's bool-allowed, converted below")
     return f"stored {shape} ({how})"
 
 
-def mha_shape(shape: list[int], q_len: int, k_len: int, batch_size: int, n_heads: int) -> str:
+def mha_shape(shape: list[int], q: str, k: str, q_len: int, k_len: int, batch_size: int,
+              n_heads: int) -> str:
     """How nn.MultiheadAttention takes this mask: 2-D or 3-D [B·h, T, S], never 4-D."""
-    per_batch = f"attn_mask [B·h, {q_len}, {k_len}] = [{batch_size * n_heads}, {q_len}, {k_len}]"
+    per_batch = f"attn_mask [B·h, {q}, {k}] = [{batch_size * n_heads}, {q_len}, {k_len}]"
     if shape[0] == 1:  # the same for every sequence: one 2-D mask serves
-        return f"nn.MultiheadAttention takes it as attn_mask [{q_len}, {k_len}] (2-D)"
+        return f"nn.MultiheadAttention: attn_mask [{q}, {k}] = [{q_len}, {k_len}] (2-D)"
     if shape[2] == 1:  # padding only: one row per sequence
-        return (f"nn.MultiheadAttention takes it as key_padding_mask [B, {k_len}] = "
-                f"[{batch_size}, {k_len}] (True = padding), or as {per_batch}")
-    return f"nn.MultiheadAttention takes it as {per_batch} (3-D: every head's copy)"
+        return (f"nn.MultiheadAttention: key_padding_mask [B, {k}] = [{batch_size}, {k_len}] "
+                f"(True = padding)\n                    or {per_batch}")
+    return f"nn.MultiheadAttention: {per_batch} (3-D, a copy per head)"
 
 
 def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: int,
@@ -95,21 +94,22 @@ def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: i
                  console: Console) -> None:
     console.soft_wrap = True  # a re-wrapped grid row is unreadable: leave long lines to the pager
     yes, no = CELLS[convention]
-    console.print(Text(f"convention {convention} ({HEADERS[convention]}): {yes} = may attend, "
-                       f"{no} = blocked; rows are queries, columns keys; * marks padding",
-                       style="bold"))
+    console.print(Text(f"convention {convention}: {yes} = may attend, {no} = blocked "
+                       f"({HEADERS[convention]})\nrows are queries, columns keys; * marks padding",
+                       style="bold"), soft_wrap=False)
     for named, allowed, q_valid, k_valid in items:
         q_len, k_len = allowed.shape[1:]
         shape = list(named.mask.shape)
         console.print()
         role = "" if named.used_by_model else "  [a component of the next mask]"
-        console.print(Text(f"{named.name}: {named.description}{role}", style="bold"))
-        console.print(f"{_stored(shape, convention)} → broadcast onto scores "
-                      f"[B, h, {'T' if named.query_side == 'tgt' else 'S'}, "
-                      f"{'T' if named.key_side == 'tgt' else 'S'}] = "
-                      f"[{batch_size}, {n_heads}, {q_len}, {k_len}]")
+        console.print(Text(f"{named.name}: {named.description}{role}", style="bold"),
+                      soft_wrap=False)
+        q, k = ("T" if named.query_side == "tgt" else "S"), ("T" if named.key_side == "tgt" else "S")
+        console.print(f"{_stored(shape, convention)} → scores [B, h, {q}, {k}] = "
+                      f"[{batch_size}, {n_heads}, {q_len}, {k_len}]", soft_wrap=False)
         if convention == "bool-blocked":
-            console.print(mha_shape(shape, q_len, k_len, batch_size, n_heads))
+            console.print(mha_shape(shape, q, k, q_len, k_len, batch_size, n_heads),
+                          soft_wrap=False)
         console.print(f"batch element {batch}: {int(q_valid[batch].sum())} real queries, "
                       f"{int(k_valid[batch].sum())} real keys; cells in {convention}")
         console.print(grid(named, allowed, q_valid, k_valid, batch, convention, limit), end="")
@@ -144,9 +144,9 @@ def render_seen(seen, batch: int, convention: str, limit: int, console: Console)
 
     console.soft_wrap = True
     yes, no = CELLS[convention]
-    console.print(Text(f"convention {convention} ({HEADERS[convention]}): {yes} = may attend, "
-                       f"{no} = blocked; rows are queries, columns keys; as each attention call "
-                       f"applied it (head 0)", style="bold"))
+    console.print(Text(f"convention {convention}: {yes} = may attend, {no} = blocked "
+                       f"({HEADERS[convention]})\nrows are queries, columns keys; as each "
+                       f"attention call applied it (head 0)", style="bold"), soft_wrap=False)
     shown: set = set()
     for a in seen:
         if a.allowed is None:
