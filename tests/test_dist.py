@@ -327,3 +327,26 @@ def test_nccl_without_gpus_is_refused_in_one_line():
         pytest.skip("this machine has CUDA")
     with pytest.raises(TfcliError, match="--backend nccl needs 2 CUDA GPUs .* has 0"):
         check_backend("nccl", 2)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--what", "model", "-p", "tiny", "--nproc", "2", "--backend", "nccl"],
+     "--backend nccl needs 2 CUDA GPUs"),
+    (["-p", "tiny", "--strategy", "tp"], "--strategy and --backend apply to --nproc N"),
+    (["-p", "tiny", "--nproc", "2", "--batch-size", "2"], "add --what model"),
+    (["--what", "model", "-p", "tiny", "--nproc", "3", "--strategy", "tp"],
+     "n_heads=4, n_kv_heads=4 and d_ff=48 must be divisible by 3"),
+    (["--what", "model", "-p", "tiny", "--nproc", "2", "--strategy", "pp", "--batch-size", "2"],
+     "--strategy 'pp': choose ddp, fsdp, tp"),
+])
+def test_bench_nproc_bad_input_is_one_line(cli, args, message):
+    import torch
+
+    if "nccl" in args and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    result = cli("bench", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1

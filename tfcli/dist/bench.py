@@ -235,3 +235,34 @@ def render(records: list[dict], console) -> None:
     console.print(table)
     if first["note"]:
         console.print(first["note"])
+
+
+def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
+              lengths: list[int], batch: int, seed: int, json_out: bool) -> None:
+    """``tfcli bench --nproc N --strategy S [--backend B]``: validate, run, print."""
+    if nproc is None:
+        raise TfcliError("--strategy and --backend apply to --nproc N (ranks on this machine)")
+    if what != "model":
+        raise TfcliError("--nproc runs training steps of the model: add --what model")
+    if cfg is None:
+        raise TfcliError("--nproc needs tfcli's own configuration (--preset/--config/--set): "
+                         "its layers are what DDP, FSDP and tensor parallelism are applied to")
+    strategy = strategy or "ddp"
+    # ranks draw different dropout masks than one process: parity needs dropout off
+    cfg_dict = {**cfg.to_dict(), "dropout": 0.0}
+    check_backend(backend or "gloo", nproc)
+    _check(cfg_dict, nproc, strategy, batch)
+    records = run(cfg_dict, nproc, [strategy], backend or "gloo", batch, lengths, seed=seed)
+    if json_out:
+        from tfcli.cli._common import print_json
+
+        print_json({"records": records, "conditions": {
+            "dropout": "set to 0 so that the ranks and the single-process step agree",
+            "timing": "fixed number of steps between barriers on every rank"}})
+    else:
+        from tfcli.cli._common import stdout
+
+        render(records, stdout())
+    if not all(r["parity"] for r in records):
+        raise TfcliError("parity failed: the ranks' loss or gradients differ from a "
+                         "single-process step (see the table)", exit_code=1)
