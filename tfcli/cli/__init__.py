@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli import __version__
-from tfcli.cli._common import TfcliGroup
+from tfcli.cli._common import TfcliCommand, TfcliGroup
 from tfcli.cli.bench_cmd import bench
 from tfcli.cli.config_cmd import config
 from tfcli.cli.masks_cmd import masks
@@ -39,12 +39,12 @@ def _root(
     """Build any configured Transformer and inspect it: parameters, shapes, masks, cost."""
 
 
-app.command("params")(params)
-app.command("shapes")(shapes)
-app.command("masks")(masks)
-app.command("bench")(bench)
-app.command("presets")(presets)
-app.command("config")(config)
+app.command("params", cls=TfcliCommand)(params)
+app.command("shapes", cls=TfcliCommand)(shapes)
+app.command("masks", cls=TfcliCommand)(masks)
+app.command("bench", cls=TfcliCommand)(bench)
+app.command("presets", cls=TfcliCommand)(presets)
+app.command("config", cls=TfcliCommand)(config)
 
 
 def main() -> None:

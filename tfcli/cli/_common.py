@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from tfcli.errors import TfcliError
 
@@ -254,11 +254,28 @@ def _silence_stdout() -> None:
         pass
 
 
+def _flags_take_no_value(params: list) -> list:
+    """typer 0.29 shows "<bool>" beside every flag, which reads as if `--expand true` were
+    expected (it is refused): a flag's metavar is empty."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class TfcliCommand(TyperCommand):
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
+
+
 class TfcliGroup(TyperGroup):
     """Runs the command and presents every way it can end: a user error is one line on stderr
     and exit code 2; Ctrl-C (130) and SIGTERM (143) one line after what was kept is printed;
     closed or full output one line and exit 1; a bug one line and exit 70 (TFCLI_TRACEBACK=1
     prints the traceback)."""
+
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
 
     def invoke(self, ctx):
         try:
