@@ -202,3 +202,12 @@ def test_multihead_attention_shapes_are_2d_or_3d(cli):
     assert "attn_mask [T, T] = [5, 5] (2-D)" in result.stdout  # causal: one for every sequence
     assert "key_padding_mask [B, S] = [2, 6]" in result.stdout  # tiny's default --src-lens 4,6
     assert "attn_mask [B·h, T, T] = [8, 5, 5]" in result.stdout  # the combined decoder mask
+
+
+@pytest.mark.parametrize("command", [[], ["params"], ["shapes"], ["masks"], ["bench"],
+                                     ["config"], ["presets"]])
+def test_flags_show_no_bool_metavar(cli, command):
+    """A "<bool>" beside --expand reads as if --expand true were wanted; it is refused."""
+    result = cli(*command, "--help", env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "--help" in result.stdout
+    assert "<bool>" not in result.stdout
