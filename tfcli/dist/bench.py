@@ -148,7 +148,6 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
             times.append(time.perf_counter() - start)
         out.append({"strategy": strategy, "seq_len": length, "loss": parity_loss, "grads": grads, "times": times,
                     "peak_bytes": peak, "comm_counts": counts, "comm_bytes": volume})
-        del model, runner, optimizer
     return out
 
 

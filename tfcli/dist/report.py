@@ -4,7 +4,8 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.dist.plan import Parallel, fit, parse_device_memory, parse_parallel, plan
+from tfcli.dist.fit import fit, parse_device_memory
+from tfcli.dist.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
 
@@ -103,3 +104,28 @@ def render(data: dict, console) -> None:
                      f"({verdict})")
     for note in notes:
         console.print(note)
+
+
+def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_len: int | None,
+                    micro_batches: int | None, checkpointing: str | None, dtype: str,
+                    mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
+                    fit_what: str | None, inference: bool, json_out: bool) -> None:
+    """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print."""
+    if cfg is None:
+        raise TfcliError("--parallel needs tfcli's own configuration (--preset/--config/--set): "
+                         "tensor and pipeline parallelism split its matrices and layers")
+    if inference:
+        raise TfcliError("--parallel sizes training; --inference is for one device")
+    from tfcli.inspection.memory import OPTIMIZER_STATES
+
+    data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
+                    dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory, fit_what)
+    data["config"] = cfg.to_dict()
+    if json_out:
+        from tfcli.cli._common import print_json
+
+        print_json(data)
+        return
+    from tfcli.cli._common import stdout
+
+    render(data, stdout())

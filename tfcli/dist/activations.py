@@ -1,0 +1,151 @@
+"""Activations one rank keeps: a fake-tensor replay of the rank's share of the model, and
+Korthikanti et al. 2022 (Table 2) beside it as the cross-check.
+
+The replay (:func:`tfcli.inspection.memory.estimate_activations`) runs the share — heads, FFN
+width and vocabulary divided by t, the sequence by C — at the stage's depth and with one more
+layer per stack: what a layer saves grows exactly linearly, so the difference is one layer and
+the peak less all layers is the rest (embeddings, output, loss, backward's working set).
+Sequence parallelism, which the replay cannot run, removes what tensor parallelism leaves
+replicated in each residual sublayer (the norm's input and output, the dropout mask), t ways.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tfcli.dist.layout import Line, Parallel, StageParams
+from tfcli.model.config import Config
+
+
+def korthikanti_layer(s: int, b: int, h: int, a: int, t: int, sp: bool,
+                      checkpointing: str) -> tuple[float, str]:
+    """Bytes one GPT-style layer keeps for backward at 16 bits (Korthikanti et al. 2022,
+    Table 2), and the row used."""
+    if checkpointing == "full":
+        return (2 * s * b * h / (t if sp else 1),
+                "2sbh" + ("/t" if sp and t > 1 else "") + " (full recomputation: the layer input)")
+    attn = 0.0 if checkpointing == "selective" else 5 * a * s / (h * t)
+    if t == 1:
+        linear, row = 34.0, "sbh(34 + 5as/h)"
+    elif sp:
+        linear, row = 34.0 / t, "sbh(34/t + 5as/(ht))"
+    else:
+        linear, row = 10 + 24.0 / t, "sbh(10 + 24/t + 5as/(ht))"
+    if checkpointing == "selective":
+        row = row.split(" + 5as")[0] + ")" + " (selective: attention core recomputed)"
+    return s * b * h * (linear + attn), row
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Replay of one rank's share at the stage's depth (and at one layer per stack)."""
+    per_layer: int  # bytes one layer saves for backward (the same in every layer)
+    per_layer_attention: int  # of which [B, h, T, S] attention matrices
+    rest: int  # the peak less all layers' saved bytes: embeddings, output, loss, working set
+    how: str
+
+
+def share_config(cfg: Config, t: int, n_enc: int, n_dec: int) -> Config:
+    """The model one tensor-parallel rank runs, with n_enc + n_dec layers: heads, FFN width and
+    vocabularies divided by t (head width kept)."""
+    vocab = lambda v: -(-v // t) if v else 0  # noqa: E731
+    return cfg.replace(
+        n_heads=cfg.n_heads // t, n_kv_heads=cfg.kv_heads // t, head_dim=cfg.d_k,
+        d_ff=cfg.d_ff // t, src_vocab_size=vocab(cfg.src_vocab_size),
+        tgt_vocab_size=vocab(cfg.tgt_vocab_size),
+        n_encoder_layers=n_enc if cfg.has_encoder else 0,
+        n_decoder_layers=n_dec if cfg.has_decoder else 0)
+
+
+@functools.lru_cache(maxsize=64)  # --fit asks again for sizes it has seen
+def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp32",
+                 mixed: str | None = None, kernel: str = "auto",
+                 depth: tuple[int, int] = (1, 1)) -> Replay:
+    """Replays at ``depth`` (encoder, decoder layers) and with one more layer per stack: the
+    saved bytes grow exactly linearly with layers (their difference is one layer); the peak
+    at ``depth`` less its layers is the rest."""
+    from tfcli.inspection.memory import estimate_activations
+    from tfcli.subjects.own import OwnSubject
+
+    sizes = {"B": batch, "S": seq_len, "T": seq_len, "L": seq_len}
+
+    def run(n_enc: int, n_dec: int):
+        subject = OwnSubject(share_config(cfg, t, n_enc, n_dec))
+        return estimate_activations(subject, sizes, dtype, mixed, kernel)
+
+    at, how = run(*depth)
+    more, _ = run(depth[0] + 1, depth[1] + 1)
+    stacks = cfg.has_encoder + cfg.has_decoder
+    layers = depth[0] * cfg.has_encoder + depth[1] * cfg.has_decoder
+    saved = lambda e, kind=None: (sum(e.saved_bytes.values()) if kind is None  # noqa: E731
+                                  else e.saved_bytes.get(kind, 0))
+    # an encoder-decoder adds an encoder and a decoder layer: share the difference between them
+    per_layer = (saved(more) - saved(at)) // stacks
+    per_attn = (saved(more, "attention matrices") - saved(at, "attention matrices")) // stacks
+    rest = at.peak_bytes - per_layer * layers
+    return Replay(per_layer, per_attn, rest, how + (f", one rank's share (h/{t}, d_ff/{t}, V/{t})"
+                                                     if t > 1 else ""))
+
+
+def _in_flight(par: Parallel, stage: int, m: int) -> int:
+    return min(par.pp - stage, m)  # 1F1B: stage i starts backward after P - i forwards
+
+
+def _kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local: int,
+                    checkpointing: str, e: int) -> tuple[int, str]:
+    t, d = par.tp, cfg.d_model
+    sp = par.sp and t > 1
+    if checkpointing == "full":
+        return (batch * s_local * d * e // (t if sp else 1),
+                f"the layer input b·s·d_model × {e} B" + (" / t (sequence parallel)" if sp else ""))
+    kept, how = rep.per_layer, "one layer of the replay"
+    if checkpointing == "selective":
+        kept -= rep.per_layer_attention
+        how += f" less its attention matrices ({rep.per_layer_attention:,} B)"
+    if sp:
+        # what TP alone leaves replicated per residual sublayer: the norm's input and output
+        # (e bytes each) and, with dropout, the output's dropout mask (1 byte), per position
+        subs = 3 if cfg.kind == "encoder-decoder" else 2
+        per_sub = 2 * e + (1 if cfg.dropout > 0 else 0)
+        saved = int(subs * per_sub * batch * s_local * d * (1 - 1 / t))
+        kept -= saved
+        how += (f", less what sequence parallelism splits t ways ({subs} sublayers × "
+                f"{per_sub} B × b·s·d_model × (1 - 1/t))")
+    return max(kept, 0), how
+
+
+def activation_lines(cfg: Config, par: Parallel, st: StageParams, rep: Replay, batch: int,
+                      s_local: int, m: int, checkpointing: str, e: int) -> list[Line]:
+    flight = _in_flight(par, st.stage, m)
+    kept, how = _kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
+    out = [Line("activations: layers", st.layers * flight * kept,
+                f"{st.layers} layers × {flight} micro-batch(es) in flight × {kept:,} B: {how}",
+                "activations")]
+    if checkpointing == "full":
+        out.append(Line("activations: recomputed layer", rep.per_layer,
+                        "one layer's activations while it is recomputed for backward",
+                        "activations"))
+    if st.stage == par.pp - 1:
+        out.append(Line("activations: embeddings, output, loss, working set", rep.rest,
+                        "the replay less its layers: embeddings, logits, loss and backward's "
+                        "gradients in flight at the peak"
+                        + ("; the first stage's embedding activations are counted here"
+                           if par.pp > 1 else ""), "activations"))
+    return out
+
+
+def cross_check(cfg: Config, par: Parallel, st: StageParams, rep: Replay, batch: int,
+                 s_local: int, m: int, checkpointing: str, e: int) -> list[Line]:
+    per, row = korthikanti_layer(s_local, batch, cfg.d_model, cfg.n_heads, par.tp,
+                                 par.sp, checkpointing)
+    kept, _ = _kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
+    flight = _in_flight(par, st.stage, m)
+    return [
+        Line("per layer: replay", kept, f"fake-tensor replay, {e} B activations", "activations"),
+        Line("per layer: Korthikanti et al. 2022", int(per),
+             f"Table 2, {row}, s={s_local}, b={batch}, h={cfg.d_model}, a={cfg.n_heads}, "
+             f"t={par.tp}; 16-bit tensors, GPT layer with dropout and a 4h MLP", "activations"),
+        Line("stage layers: Korthikanti et al. 2022", int(per * st.layers * flight),
+             f"{st.layers} layers × {flight} in flight × the row above", "activations"),
+    ]
