@@ -211,3 +211,18 @@ def test_flags_show_no_bool_metavar(cli, command):
     result = cli(*command, "--help", env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--help" in result.stdout
     assert "<bool>" not in result.stdout
+
+
+def test_progress_only_at_a_terminal(monkeypatch, capsys):
+    from tfcli.render.progress import working
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    with working("building") as say:
+        say("running")
+    assert capsys.readouterr().err == ""  # a pipe or a file: nothing
+    monkeypatch.setenv("FORCE_COLOR", "1")  # Rich takes this for a terminal
+    with working("building") as say:
+        say("running the forward pass")
+    captured = capsys.readouterr()
+    assert "running the forward pass" in captured.err and captured.out == ""
