@@ -88,9 +88,12 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     from tfcli.render.shapes import build_tree, flops_text
     from tfcli.subjects.base import primary_output
 
+    from tfcli.render.progress import working
+
     cfg = getattr(subject, "cfg", None)
-    model = subject.build(run_device).eval()
-    inputs = subject.make_inputs(model, dims, run_device)
+    with working(f"building the model on {device_name}"):  # on stderr, at a terminal only
+        model = subject.build(run_device).eval()
+        inputs = subject.make_inputs(model, dims, run_device)
     for side, text in (("src", src_lens), ("tgt", tgt_lens)):
         if text is None:
             continue
@@ -106,7 +109,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
 
     used = {k: dims[k] for k in subject.dims_used() if k in dims}
     try:
-        with flop_counting() as counter:  # one forward pass: the trace, counted by torch too
+        with working(f"running the forward pass on {device_name}"), \
+                flop_counting() as counter:  # one forward pass: the trace, counted by torch too
             events = trace(model, inputs, causal_half=causal_flops,
                            is_causal_scope=subject.is_causal_scope)
     except ForwardFailed as failure:
