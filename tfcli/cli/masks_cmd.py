@@ -173,12 +173,16 @@ def masks(
     if check:
         from tfcli.model.transformer import example_inputs
 
-        torch.manual_seed(0)
-        model = build_model(cfg.replace(attention="naive"))
-        inputs = example_inputs(cfg, batch_size, valid["src"].size(1) if "src" in valid else 1,
-                                valid["tgt"].size(1) if "tgt" in valid else 1)
-        inputs = {k: ids_given.get(k, v) for k, v in inputs.items() if v is not None}
-        report = check_model(model, cfg, inputs, src_valid, tgt_valid)
+        from tfcli.render.progress import working
+
+        with working("building the model on cpu") as say:  # on stderr, at a terminal only
+            torch.manual_seed(0)
+            model = build_model(cfg.replace(attention="naive"))
+            inputs = example_inputs(cfg, batch_size, valid["src"].size(1) if "src" in valid
+                                    else 1, valid["tgt"].size(1) if "tgt" in valid else 1)
+            inputs = {k: ids_given.get(k, v) for k, v in inputs.items() if v is not None}
+            say("checking the masks: running the model's attention on the batch")
+            report = check_model(model, cfg, inputs, src_valid, tgt_valid)
 
     if png is not None:
         from tfcli.render.masks_png import save_png
@@ -261,9 +265,12 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
             if letter not in bound:  # padded to the longest, unless --dim says how far
                 dims[letter] = max(max(lens), 1)
     guard_run(subject, dims, "masks --model (built on cpu)", max_memory)
+    from tfcli.render.progress import working
+
     torch.manual_seed(0)
-    model = subject.build("cpu").eval()
-    inputs = subject.make_inputs(model, dims, "cpu")
+    with working("building the model on cpu"):  # on stderr, at a terminal only
+        model = subject.build("cpu").eval()
+        inputs = subject.make_inputs(model, dims, "cpu")
     named = inputs.named(model)
     for name in [*causal, *lengths]:
         if name not in named or not isinstance(named[name], torch.Tensor) \
@@ -279,11 +286,13 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     if batch_index >= next(iter(t.size(0) for t in inputs.tensors()), 1):
         raise TfcliError(f"--batch-index {batch_index}: beyond the batch")
     inputs = pad_inputs(model, inputs, lengths, pad_id)
-    if check:
-        report, seen = check_any(model, inputs, causal, lengths, pad_id,
-                                 embedding_limit(model))
-    else:
-        report, (_, seen) = None, run_and_capture(model, inputs)
+    with working("checking the masks: running the model on changed inputs" if check
+                 else "running the model"):
+        if check:
+            report, seen = check_any(model, inputs, causal, lengths, pad_id,
+                                     embedding_limit(model))
+        else:
+            report, (_, seen) = None, run_and_capture(model, inputs)
     if json_out:
         out = {"subject": subject.describe(), "seen": [a.to_dict() for a in seen]}
         if report is not None:
