@@ -282,6 +282,13 @@ def _start_gloo() -> None:
         except RankError as err:
             out["fail"] = [str(err), err.rank]
         out["fail"] += [len(multiprocessing.active_children()), time.monotonic() - start]
+        start = time.monotonic()
+        try:
+            run_ranks(fail_rank, 2, (1, True), timeout=8)  # rank 1 hangs
+            out["hang"] = ["no error"]
+        except RankError as err:
+            out["hang"] = [str(err)]
+        out["hang"] += [len(multiprocessing.active_children()), time.monotonic() - start]
         print(json.dumps(out))
         """)
 
@@ -316,6 +323,12 @@ def test_a_failing_rank_ends_every_rank_and_is_named(gloo):
     message, rank, alive, seconds = gloo["fail"]
     assert rank == 1 and "rank 1 of 2 failed: RuntimeError: rank 1 failed on purpose" in message
     assert alive == 0 and seconds < 60
+
+
+def test_a_hung_rank_is_ended_at_the_timeout(gloo):
+    message, alive, seconds = gloo["hang"]
+    assert "did not finish within 8 s" in message and "1" in message
+    assert alive == 0 and seconds < 8 + 15  # + terminate, then kill after 5 s
 
 
 def test_nccl_without_gpus_is_refused_in_one_line():
