@@ -14,6 +14,7 @@ module tracker raises IndexError on this model's keyword-only forward (torch 2.1
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -156,7 +157,6 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
         tolerance: float = 1e-4) -> list[dict[str, Any]]:
     """Records, one per (strategy, length, rank), from one launch of ``nproc`` ranks."""
     from tfcli.dist.launch import run_ranks
-    from tfcli.dist.workers import reference_step
 
     for strategy in strategies:
         _check(cfg_dict, nproc, strategy, batch)
@@ -164,6 +164,15 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
     ranks = run_ranks(bench_worker, nproc,
                       (strategies, cfg_dict, batch, lengths, steps, seed, device),
                       backend=backend, timeout=timeout)
+    return records_of(ranks, cfg_dict, backend, device, batch, lengths, seed, tolerance)
+
+
+def records_of(ranks: list[list[dict]], cfg_dict: dict, backend: str, device: str, batch: int,
+               lengths: list[int], seed: int, tolerance: float = 1e-4) -> list[dict[str, Any]]:
+    """Each rank's cells against the single-process step: one record per cell and rank."""
+    from tfcli.dist.workers import reference_step
+
+    nproc = len(ranks)
     records = []
     references = {length: reference_step(cfg_dict, batch, length, seed) for length in lengths}
     for i, first in enumerate(ranks[0]):
@@ -236,9 +245,37 @@ def render(records: list[dict], console) -> None:
         console.print(first["note"])
 
 
+def _under_torchrun(cfg_dict: dict, strategy: str, backend: str, batch: int,
+                    lengths: list[int], seed: int, steps: int = 5) -> list[dict] | None:
+    """This process is one of torchrun's ranks: run its cells, gather them on rank 0, which
+    compares them with a single-process step and returns the records (others return None)."""
+    import torch.distributed as dist
+
+    device = check_backend(backend, int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cells = bench_worker(rank, world, [strategy], cfg_dict, batch, lengths, steps, seed,
+                             device)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(cells, gathered, dst=0)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return records_of(gathered, cfg_dict, backend, device, batch, lengths, seed)
+
+
 def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
               lengths: list[int], batch: int, seed: int, json_out: bool) -> None:
     """``tfcli bench --nproc N --strategy S [--backend B]``: validate, run, print."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun:  # torchrun started this process as one rank: run it here, not spawn
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise TfcliError(f"--nproc {nproc} under torchrun with {world} processes: leave "
+                             f"--nproc out, or make them equal")
+        nproc = world
     if nproc is None:
         raise TfcliError("--strategy and --backend apply to --nproc N (ranks on this machine)")
     if what != "model":
@@ -251,7 +288,12 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     cfg_dict = {**cfg.to_dict(), "dropout": 0.0}
     check_backend(backend or "gloo", nproc)
     _check(cfg_dict, nproc, strategy, batch)
-    records = run(cfg_dict, nproc, [strategy], backend or "gloo", batch, lengths, seed=seed)
+    if torchrun:
+        records = _under_torchrun(cfg_dict, strategy, backend or "gloo", batch, lengths, seed)
+        if records is None:
+            return  # not rank 0: rank 0 prints for everyone
+    else:
+        records = run(cfg_dict, nproc, [strategy], backend or "gloo", batch, lengths, seed=seed)
     if json_out:
         from tfcli.cli._common import print_json
 
