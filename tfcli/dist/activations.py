@@ -106,11 +106,13 @@ def _kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local
     if sp:
         # what TP alone leaves replicated per residual sublayer: the norm's input and output
         # (e bytes each) and, with dropout, the output's dropout mask (1 byte), per position
-        subs = 3 if cfg.kind == "encoder-decoder" else 2
+        # 2 residual sublayers per layer, 3 in a decoder layer with cross-attention: an
+        # encoder-decoder's per-layer figure is the mean of its two kinds
+        subs = 2.5 if cfg.kind == "encoder-decoder" else 2
         per_sub = 2 * e + (1 if cfg.dropout > 0 else 0)
         saved = int(subs * per_sub * batch * s_local * d * (1 - 1 / t))
         kept -= saved
-        how += (f", less what sequence parallelism splits t ways ({subs} sublayers × "
+        how += (f", less what sequence parallelism splits t ways ({subs:g} sublayers × "
                 f"{per_sub} B × b·s·d_model × (1 - 1/t))")
     return max(kept, 0), how
 

@@ -181,7 +181,7 @@ def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, sb: StateBytes,
                  f"one layer unit's unsharded gradients: {unit:,} × {sb.grads} B",
                  "communication"),
         ]
-    elif par.zero in (0, 1) and n > 1:
+    elif par.zero == 0 and n > 1:
         out.append(Line("DDP gradient buckets", st.total * sb.grads,
                         "a second copy of the gradients in all-reduce buckets (DDP's default; "
                         "0 with gradient_as_bucket_view=True)", "communication"))
