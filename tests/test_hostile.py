@@ -1,0 +1,529 @@
+"""Hostile-but-fair input (issue 11): every case runs `python -m tfcli` as a real subprocess under
+an address-space limit, so a regression fails here instead of reaching the OOM killer.
+
+Each case asserts the exit code (0 ok, 1 a run failed, 2 bad input, 130/143 interrupted), that
+stderr holds no traceback and, when the command refuses, exactly one line; and that the files
+already in its working directory are byte for byte as they were, with no stray temporary
+files. Most cases fail before torch is imported (~0.5 s); the others cost ~3-5 s each, so the
+cases run two at a time, all at once, before the first assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit; a 20 GB table or a 72 GB batch does not
+BIG = str(10**30)
+HUGE = str(10**100)
+PRECIOUS = {"out.csv": b"seq_len,median_s\n16,0.1\n", "out.png": b"\x89PNG precious",
+            "keep.toml": b"d_model = 64\nn_heads = 4\n"}
+FAIL_FORWARD = """import torch
+from torch import nn
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).view(-1, 3)  # 4 features do not split into rows of 3
+"""
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    code: int
+    stderr: str | None = None  # a substring of stderr
+    stdout: str | None = None  # a substring of stdout
+    files: dict[str, bytes] = field(default_factory=dict)  # written before the run
+    changes: frozenset[str] = frozenset()  # files the run may write (the outputs it was given)
+    env: dict[str, str] = field(default_factory=dict)
+    stdout_to: str = "pipe"  # pipe, closed, full, broken
+    fsize: int | None = None  # RLIMIT_FSIZE: writes beyond it fail (EFBIG)
+    stderr_lines: int | None = 1  # when it fails; None: bench prints a line per cell first
+
+
+def cfg(id_, value, message, code=2):
+    return Case(f"set-{id_}", ["config", "--set", value], code, message)
+
+
+def cfile(id_, name, content: bytes, message, code=2):
+    return Case(f"config-file-{id_}", ["config", "--config", name], code, message,
+                files={name: content})
+
+
+def bench(id_, extra, message, code=2):
+    return Case(f"bench-{id_}", ["bench", *extra], code, message)
+
+
+CASES: list[Case] = [
+    # --- --set values (no torch) ---------------------------------------------------------------
+    cfg("d-model-googol", f"d_model={HUGE}", "d_model=a 101-digit number: must be at most"),
+    cfg("d-model-negative-googol", f"d_model=-{HUGE}", "must not be negative"),
+    cfg("d-model-5000-digits", "d_model=" + "9" * 5000, "a 5000-digit number"),
+    cfg("d-model-2-pow-21", f"d_model={2**21}", "d_model=2097152: must be at most 1,048,576"),
+    cfg("d-model-float", "d_model=1e3", "d_model='1e3': must be an integer"),
+    cfg("d-model-hex", "d_model=0x10", "must be an integer"),
+    cfg("d-model-empty", "d_model=", "d_model='': must be an integer"),
+    cfg("d-model-nan", "d_model=nan", "must be an integer"),
+    cfg("d-model-spaces", "d_model=5 12", "must be an integer"),
+    cfg("d-model-unicode-digits", "d_model=５１２", None, 0),  # int() reads full-width digits
+    cfg("d-model-underscore", "d_model=1_024", None, 0),
+    cfg("n-heads-huge", f"n_heads={BIG}", "n_heads=a 31-digit number: must be at most"),
+    cfg("layers-100k", "n_encoder_layers=100000", "n_encoder_layers=100000: must be at most 1,024"),
+    cfg("layers-negative", "n_decoder_layers=-1", "must be 0 or a positive integer"),
+    cfg("max-seq-len-2-pow-31", f"max_seq_len={2**31}", "must be at most 2,147,483,647"),
+    cfg("max-seq-len-zero", "max_seq_len=0", "must be a positive integer"),
+    cfg("vocab-huge", f"src_vocab_size={BIG}", "src_vocab_size=a 31-digit number"),
+    cfg("window-huge", f"attention_window={2**40}", "attention_window=1099511627776"),
+    cfg("head-dim-huge", f"head_dim={2**30}", "head_dim=1073741824: must be at most"),
+    cfg("d-embed-huge", f"d_embed={2**30}", "d_embed=1073741824: must be at most"),
+    cfg("dropout-inf", "dropout=inf", "dropout=inf: must be in [0, 1)"),
+    cfg("dropout-nan", "dropout=nan", "dropout=nan: must be in [0, 1)"),
+    cfg("dropout-googol", f"dropout={HUGE}", "dropout=1e+100: must be in [0, 1)"),
+    cfg("dropout-5000-digits", "dropout=" + "9" * 5000, "must be in [0, 1)"),
+    cfg("norm-eps-underflow", "norm_eps=1e-400", "norm_eps=0.0: must be a positive number"),
+    cfg("norm-eps-inf", "norm_eps=inf", "norm_eps=inf: must be a positive number"),
+    cfg("rope-theta-inf", "rope_theta=inf", "rope_theta=inf: must be a positive number"),
+    cfg("rope-theta-negative", "rope_theta=-1", "rope_theta=-1.0: must be a positive number"),
+    cfg("activation-empty", "activation=", "activation='': must be one of"),
+    cfg("activation-long", "activation=" + "x" * 5000, "must be one of relu, gelu"),
+    cfg("positional-case", "positional=ROPE", "must be one of sinusoidal, learned, rope, none"),
+    cfg("bool-two", "final_norm=2", "final_norm='2': must be true or false"),
+    cfg("key-unicode", "d_mödel=5", "unknown configuration key 'd_mödel'"),
+    cfg("key-long", "k" * 10000 + "=1", "unknown configuration key"),
+    cfg("key-empty", "=5", "expected key=value"),
+    cfg("no-equals", "d_model", "expected key=value"),
+    cfg("double-equals", "d_model==5", "must be an integer"),
+    cfg("key-dunder", "__class__=x", "unknown configuration key '__class__'"),
+    cfg("python-expression", "d_model=__import__('os').getpid()", "must be an integer"),
+    Case("preset-empty", ["config", "--preset", ""], 2, "unknown preset ''"),
+    Case("preset-long", ["config", "--preset", "p" * 10000], 2, "unknown preset"),
+    Case("preset-case", ["config", "--preset", "TINY"], 2, "unknown preset 'TINY'"),
+    Case("preset-space", ["config", "--preset", " tiny"], 2, "unknown preset ' tiny'"),
+    Case("fields-with-preset", ["config", "--fields", "--preset", "tiny"], 2, "takes no --preset"),
+    Case("markdown-alone", ["config", "--markdown"], 2, "--markdown goes with --fields"),
+    # --- --config files (no torch) -------------------------------------------------------------
+    Case("config-directory", ["config", "--config", "."], 2, "is a directory"),
+    Case("config-dev-zero", ["config", "--config", "/dev/zero"], 2, "not a regular file"),
+    Case("config-dev-null", ["config", "--config", "/dev/null"], 2, "not a regular file"),
+    Case("config-proc-mem", ["config", "--config", "/proc/self/mem"], 2, "unknown format"),
+    Case("config-missing", ["config", "--config", "absent.toml"], 2, "no such file"),
+    Case("config-empty-name", ["config", "--config", ""], 2, "is a directory"),
+    cfile("yaml", "c.yaml", b"d_model: 5\n", "unknown format"),
+    cfile("deep-json", "c.json", b"[" * 100_000 + b"]" * 100_000, "nested more than 32"),
+    cfile("deep-json-dict", "c.json", b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+          "nested more than 32"),
+    cfile("deep-toml", "c.toml", b"a = " + b"[" * 100_000 + b"]" * 100_000,
+          "nested more than 32"),
+    cfile("deep-toml-inline", "c.toml", b"a = " + b"{b = " * 50_000 + b"1" + b"}" * 50_000,
+          "nested more than 32"),
+    cfile("int-5000-digits-json", "c.json", b'{"d_model": ' + b"9" * 5000 + b"}",
+          "a value tfcli cannot read"),
+    cfile("int-5000-digits-toml", "c.toml", b"d_model = " + b"9" * 5000,
+          "a value tfcli cannot read"),
+    cfile("int-googol-json", "c.json", b'{"d_model": ' + HUGE.encode() + b"}",
+          "d_model=a 101-digit number: must be at most"),
+    cfile("float-googol-toml", "c.toml", b"dropout = 1e999", "dropout=inf: must be in [0, 1)"),
+    cfile("json-infinity", "c.json", b'{"rope_theta": Infinity}', "rope_theta=inf"),
+    cfile("json-nan", "c.json", b'{"dropout": NaN}', "dropout=nan: must be in [0, 1)"),
+    cfile("json-1e999", "c.json", b'{"norm_eps": 1e999}', "norm_eps=inf"),
+    cfile("binary", "c.toml", bytes(range(256)) * 4, "not UTF-8 text"),
+    cfile("utf16", "c.json", '{"d_model": 64}'.encode("utf-16"), "not UTF-8 text"),
+    cfile("bom-json", "c.json", b'\xef\xbb\xbf{"d_model": 64}', "not valid JSON"),
+    cfile("json-list", "c.json", b"[1, 2]", "expected flat key = value pairs"),
+    cfile("json-string", "c.json", b'"d_model"', "expected flat key = value pairs"),
+    cfile("json-null", "c.json", b"null", "expected flat key = value pairs"),
+    cfile("json-nested", "c.json", b'{"model": {"d_model": 64}}', "expected flat key = value"),
+    cfile("toml-table", "c.toml", b"[model]\nd_model = 64\n", "expected flat key = value"),
+    cfile("toml-bad", "c.toml", b"d_model = = 5", "not valid TOML"),
+    cfile("toml-string-int", "c.toml", b'd_model = "64"', "d_model='64': must be an integer"),
+    cfile("toml-bool-int", "c.toml", b"d_model = true", "d_model=True: must be an integer"),
+    cfile("toml-unknown-key", "c.toml", b"layers = 6", "unknown configuration key 'layers'"),
+    cfile("toml-date", "c.toml", b"dropout = 1979-05-27", "dropout=datetime.date"),
+    cfile("empty", "c.toml", b"", None, 0),
+    cfile("json-duplicate-keys", "c.json", b'{"d_model": 64, "d_model": 128}', None, 0),
+    Case("config-2mib", ["config", "--config", "big.toml"], 2, "larger than 1024 KiB",
+         files={"big.toml": b"# " + b"x" * (2 * 2**20) + b"\n"}),
+    Case("config-symlink-dev-zero", ["config", "--config", "z.toml"], 2, "not a regular file",
+         files={"z.toml": b"->/dev/zero"}),
+    Case("config-symlink-loop", ["config", "--config", "loop.toml"], 2, "cannot be read",
+         files={"loop.toml": b"->loop.toml"}),
+    Case("config-fifo", ["config", "--config", "pipe.toml"], 2, "not a regular file",
+         files={"pipe.toml": b"|fifo"}),
+    Case("config-sparse-20gb", ["config", "--config", "sparse.toml"], 2, "larger than 1024 KiB",
+         files={"sparse.toml": b"|sparse"}),
+    # --- the process: encodings, widths, closed or full output (no torch) ----------------------
+    Case("ascii-fields", ["config", "--fields"], 0, env={"PYTHONIOENCODING": "ascii"},
+         stdout="d_model"),
+    Case("ascii-presets", ["presets"], 0, env={"PYTHONIOENCODING": "ascii"}, stdout="tiny"),
+    Case("latin1-config", ["config", "--preset", "tiny"], 0, env={"PYTHONIOENCODING": "latin-1"},
+         stdout="d_model = 32"),
+    Case("ascii-error", ["config", "--set", "d_mödel=1"], 2, "unknown configuration key",
+         env={"PYTHONIOENCODING": "ascii"}),
+    Case("ascii-help", ["bench", "--help"], 0, env={"PYTHONIOENCODING": "ascii"},
+         stdout="--seq-lens"),
+    Case("columns-0", ["presets"], 0, env={"COLUMNS": "0"}, stdout="gpt2-small"),
+    Case("columns-negative", ["presets"], 0, env={"COLUMNS": "-5"}, stdout="gpt2-small"),
+    Case("columns-junk", ["config", "--fields"], 0, env={"COLUMNS": "wide"}, stdout="d_model"),
+    Case("columns-huge", ["config", "--fields"], 0, env={"COLUMNS": "9" * 20}, stdout="d_model"),
+    Case("columns-1", ["presets"], 0, env={"COLUMNS": "1"}, stdout="gpt2-small"),
+    Case("columns-help", ["--help"], 0, env={"COLUMNS": "0"}, stdout="presets"),
+    Case("stdout-full", ["config", "--fields"], 1, "No space left on device", stdout_to="full"),
+    Case("stdout-full-json", ["config", "--fields", "--json"], 1, "No space left",
+         stdout_to="full"),
+    Case("stdout-closed", ["presets"], 2, "stdout is closed", stdout_to="closed"),
+    Case("stdout-broken-pipe", ["config", "--fields"], 1, "broken pipe", stdout_to="broken"),
+    Case("stdout-broken-pipe-presets", ["presets"], 1, "broken pipe", stdout_to="broken"),
+    Case("no-arguments", [], 0, stdout="Usage"),
+    Case("unknown-command", ["paramz"], 2, "No such command 'paramz'"),
+    Case("unknown-option", ["presets", "--bogus"], 2, "No such option: --bogus"),
+    Case("version", ["--version"], 0, stdout="tfcli "),
+    # --- bench options, refused before torch ---------------------------------------------------
+    bench("min-time-inf", ["--min-time", "inf"], "--min-time inf: expected a finite number"),
+    bench("min-time-nan", ["--min-time", "nan"], "Invalid value for '--min-time'"),
+    bench("max-time-inf", ["--max-time", "inf"], "--max-time inf: expected a finite number"),
+    bench("min-time-negative", ["--min-time", "-1"], "Invalid value for '--min-time'"),
+    bench("threads-100000", ["--threads", "100000"], "--threads 100000: this process may use"),
+    bench("threads-0", ["--threads", "0"], "Invalid value for '--threads'"),
+    bench("threads-huge", ["--threads", BIG], "--threads"),
+    bench("batch-size-huge", ["--batch-size", BIG], "Invalid value for '--batch-size'"),
+    bench("batch-size-zero", ["--batch-size", "0"], "Invalid value for '--batch-size'"),
+    bench("tokens-huge", ["--tokens", BIG], "Invalid value for '--tokens'"),
+    bench("seed-huge", ["--seed", BIG], "Invalid value for '--seed'"),
+    bench("seed-negative", ["--seed", "-1"], "Invalid value for '--seed'"),
+    bench("heads-huge", ["--heads", BIG], "Invalid value for '--heads'"),
+    bench("tokens-and-batch", ["--tokens", "64", "--batch-size", "2"],
+          "--tokens and --batch-size: give one"),
+    bench("what-bad", ["--what", "layer"], "--what 'layer': choose attention or model"),
+    bench("csv-directory", ["--csv", "."], "--csv '.': the file name must end in .csv"),
+    Case("bench-csv-directory-named-csv", ["bench", "--csv", "d.csv"], 2, "is a directory",
+         files={"d.csv": b"|dir"}),
+    bench("csv-suffix", ["--csv", "r.txt"], "the file name must end in .csv"),
+    bench("csv-no-directory", ["--csv", "no/such/r.csv"], "no such directory 'no/such'"),
+    bench("csv-dev-null", ["--csv", "/dev/null"], "the file name must end in .csv"),
+    bench("csv-empty", ["--csv", ""], "--csv"),
+    bench("plot-suffix", ["--plot", "p.jpg"], "the file name must end in .png"),
+    bench("plot-no-directory", ["--plot", "no/p.png"], "no such directory"),
+    Case("bench-plot-directory", ["bench", "--plot", "d.png"], 2, "is a directory",
+         files={"d.png": b"|dir"}),
+    bench("profile-is-file", ["--profile", "out.csv"], "exists and is not a directory"),
+    bench("profile-no-parent", ["--profile", "no/such/traces"], "no such directory"),
+    bench("csv-and-profile-same", ["--csv", "t.csv", "--profile", "t.csv"],
+          "--csv and --profile both name"),
+    bench("max-memory-junk", ["--max-memory", "lots"], "--max-memory 'lots': expected a size"),
+    bench("max-memory-zero", ["--max-memory", "0"], "must be between 1 byte and 1 EiB"),
+    bench("max-memory-negative", ["--max-memory", "-5GB"], "expected a size"),
+    bench("max-memory-inf", ["--max-memory", "infGiB"], "expected a size"),
+    bench("max-memory-yottabytes", ["--max-memory", "1" + "0" * 30 + "TB"],
+          "must be between 1 byte and 1 EiB"),
+    bench("max-memory-unit", ["--max-memory", "8 parsecs"], "expected a size"),
+    Case("bench-set-huge", ["bench", "--set", f"d_model={HUGE}"], 2, "d_model=a 101-digit"),
+    Case("bench-config-dir", ["bench", "--config", "."], 2, "is a directory"),
+    Case("params-set-huge", ["params", "--set", f"d_model={HUGE}"], 2, "d_model=a 101-digit"),
+    Case("shapes-set-layers", ["shapes", "--set", "n_decoder_layers=100000"], 2,
+         "must be at most 1,024"),
+    Case("masks-config-dev-zero", ["masks", "--config", "/dev/zero"], 2, "not a regular file"),
+]
+
+# --- with torch: meta costs nothing, real runs are estimated first, outputs survive ------------
+TORCH_CASES: list[Case] = [
+    Case("params-max-seq-len-1e7", ["params", "--set", "max_seq_len=10000000", "--depth", "0"],
+         0, stdout="total"),
+    Case("shapes-batch-1e9", ["shapes", "--preset", "tiny", "--batch-size", "1000000000",
+                              "--depth", "1"], 0, stdout="B=1000000000"),
+    Case("shapes-max-seq-len-1e7-batch-1e9", ["shapes", "--set", "max_seq_len=10000000",
+                                              "--batch-size", "1000000000", "--depth", "1"],
+         0, stdout="encoder-decoder on meta"),
+    Case("masks-60000", ["masks", "--preset", "gpt2-small", "--set", "max_seq_len=60000",
+                         "--tgt-lens", "60000"], 2, "needs an estimated"),
+    Case("shapes-cpu-too-big", ["shapes", "--preset", "tiny", "--device", "cpu",
+                                "--batch-size", "10000000"], 2, "available on cpu (RLIMIT_AS)"),
+    Case("shapes-cpu-max-memory", ["shapes", "--preset", "tiny", "--device", "cpu",
+                                   "--max-memory", "10KB"], 2, "9.77 KiB is available on cpu"),
+    Case("shapes-meta-max-memory", ["shapes", "--preset", "tiny", "--max-memory", "1GB"], 2,
+         "--device meta allocates nothing"),
+    Case("shapes-batch-huge", ["shapes", "--preset", "tiny", "--batch-size", BIG], 2,
+         "--batch-size 1000000000000000000000000000000: at most 2,147,483,647"),
+    Case("shapes-dim-huge", ["shapes", "--preset", "tiny", "--dim", f"B={BIG}"], 2,
+         "expected NAME=SIZE"),
+    Case("shapes-cuda-absent", ["shapes", "--preset", "tiny", "--device", "cuda"], 2,
+         "no CUDA device here"),
+    Case("shapes-ascii", ["shapes", "--preset", "tiny", "--depth", "2"], 0,
+         env={"PYTHONIOENCODING": "ascii"}, stdout="FLOPs (forward)"),
+    Case("shapes-broken-pipe", ["shapes", "--preset", "tiny"], 1, "broken pipe",
+         stdout_to="broken"),
+    Case("shapes-json-failed-forward", ["shapes", "--model", "broken.py:Broken", "--input",
+                                        "x=float32[B,4]", "--json"], 1,
+         stdout='"error": "forward pass failed', files={"broken.py": FAIL_FORWARD.encode()},
+         stderr_lines=0),  # the failure is in the JSON
+    Case("params-columns-0", ["params", "--preset", "tiny", "--depth", "1"], 0,
+         env={"COLUMNS": "0"}, stdout="total"),
+    Case("params-model-missing", ["params", "--model", "absent.py:M"], 2, "absent.py"),
+    Case("masks-ids-beyond-vocab", ["masks", "--preset", "gpt2-small", "--tgt-ids", "60000,1",
+                                    "--check"], 2, "token id 60000 is outside the vocabulary"),
+    Case("masks-ids-beyond-int64", ["masks", "--preset", "gpt2-small", "--tgt-ids",
+                                    f"{BIG},1"], 2, "is outside the vocabulary"),
+    Case("masks-ids-negative", ["masks", "--preset", "tiny", "--src-ids", "-1,2;3,4"], 2,
+         "token id -1 is outside the vocabulary"),
+    Case("masks-pad-id-alone", ["masks", "--preset", "tiny", "--pad-id", "3"], 2,
+         "--pad-id marks padding in --src-ids/--tgt-ids"),
+    Case("masks-pad-id-beyond", ["masks", "--preset", "tiny", "--src-ids", "1,2;3,4",
+                                 "--pad-id", "1000"], 2, "token id 1000 is outside"),
+    Case("masks-tgt-on-encoder-only", ["masks", "--preset", "bert-base", "--tgt-lens", "3,5"],
+         2, "has no target side"),
+    Case("masks-check-max-memory", ["masks", "--preset", "tiny", "--check", "--max-memory",
+                                    "100KB"], 2, "masks --check needs an estimated"),
+    Case("masks-png-suffix", ["masks", "--preset", "tiny", "--png", "m.jpg"], 2,
+         "the file name must end in .png"),
+    Case("masks-png-directory", ["masks", "--preset", "tiny", "--png", "d.png"], 2,
+         "is a directory", files={"d.png": b"|dir"}),
+    Case("masks-png-replaces", ["masks", "--preset", "tiny", "--png", "out.png"], 0,
+         stdout="wrote out.png", changes=frozenset({"out.png"})),
+    Case("bench-seq-len-huge", ["bench", "--seq-lens", BIG], 2, "is beyond 2,147,483,647"),
+    Case("bench-kernels-empty", ["bench", "--kernels", ""], 2, "--kernels '': choose from"),
+    Case("bench-tgt-len-decoder-only", ["bench", "--preset", "gpt2-small", "--what", "model",
+                                        "--seq-lens", "16", "--tgt-len", "8"], 2,
+         "--tgt-len fixes the target length of an encoder-decoder"),
+    Case("bench-cell-skipped", ["bench", "--seq-lens", "100000", "--kernels", "naive",
+                                "--pass", "fwd", "--min-time", "0.01", "--csv", "out.csv"], 0,
+         stdout="skipped: needs", changes=frozenset({"out.csv"}), stderr_lines=None),
+    Case("bench-csv-write-fails", ["bench", "--seq-lens", "16,32,64", "--heads", "2",
+                                   "--head-dim", "8", "--kernels", "sdpa", "--pass", "fwd",
+                                   "--min-time", "0.005", "--max-time", "0.02",
+                                   "--csv", "out.csv"], 1, "the sweep stopped there",
+         fsize=600, stderr_lines=None),
+    Case("bench-plot-and-csv", ["bench", "--seq-lens", "16,32", "--heads", "2", "--head-dim",
+                                "8", "--kernels", "sdpa", "--pass", "fwd", "--min-time", "0.005",
+                                "--max-time", "0.02", "--csv", "out.csv", "--plot", "out.png"],
+         0, stdout="wrote plot: out.png", changes=frozenset({"out.csv", "out.png"}),
+         stderr_lines=None),
+]
+
+
+def _prepare(case: Case, where: Path) -> None:
+    for name, content in {**PRECIOUS, **case.files}.items():
+        path = where / name
+        if content == b"|dir":
+            path.mkdir()
+        elif content == b"|fifo":
+            os.mkfifo(path)
+        elif content == b"|sparse":
+            with path.open("wb") as f:
+                f.truncate(20 * 2**30)  # 20 GB that takes no disk
+        elif content.startswith(b"->"):
+            path.symlink_to(content[2:].decode())
+        else:
+            path.write_bytes(content)
+
+
+def _snapshot(where: Path) -> dict[str, bytes | None]:
+    out = {}
+    for path in where.iterdir():
+        regular = path.is_file() and not path.is_symlink() and path.stat().st_size < 2**24
+        out[path.name] = path.read_bytes() if regular else None
+    return out
+
+
+def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    _prepare(case, where)
+    before = _snapshot(where)
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+        if case.stdout_to == "closed":
+            os.close(1)  # as `tfcli ... >&-`: Python starts with sys.stdout None
+        if case.fsize is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (case.fsize, case.fsize))
+
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", **case.env}
+    env.pop("TFCLI_TRACEBACK", None)
+    stdout: int | None = subprocess.PIPE
+    opened = None
+    if case.stdout_to == "full":
+        stdout = opened = os.open("/dev/full", os.O_WRONLY)
+    elif case.stdout_to == "broken":
+        read, write = os.pipe()
+        os.close(read)  # every write to stdout meets EPIPE
+        stdout = opened = write
+    command = [sys.executable, "-m", "tfcli", *case.args]
+    try:
+        result = subprocess.run(command, cwd=where, env=env, stdout=stdout,
+                                stderr=subprocess.PIPE, preexec_fn=limits, timeout=240)
+    finally:
+        if opened is not None:
+            os.close(opened)
+    return result, before, _snapshot(where)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case, run two at a time (the machine has two cores), before any assertion."""
+    cases = CASES + TORCH_CASES
+    # The slow cases first, so the cheap ones fill the gaps at the end.
+    order = sorted(cases, key=lambda c: c not in TORCH_CASES)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {c.id: pool.submit(_run, c, tmp_path_factory.mktemp(c.id)) for c in order}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_at_least_150_distinct_cases():
+    ids = [c.id for c in CASES + TORCH_CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 150
+
+
+@pytest.mark.parametrize("case", CASES + TORCH_CASES, ids=lambda c: c.id)
+def test_hostile(outcomes, case: Case):
+    result, before, after = outcomes[case.id]
+    stderr = result.stderr.decode(errors="replace")
+    stdout = result.stdout.decode(errors="replace") if result.stdout is not None else ""
+    assert "Traceback" not in stderr and "internal error" not in stderr, stderr
+    assert result.returncode == case.code, (result.returncode, stderr[-2000:])
+    lines = stderr.strip().splitlines()
+    if case.code != 0 and case.stderr_lines != 0:
+        assert lines and lines[-1].startswith("tfcli: "), stderr
+        assert case.stderr_lines is None or len(lines) == case.stderr_lines, stderr
+    if case.stderr is not None:
+        assert case.stderr in stderr, stderr
+    if case.stdout is not None:
+        assert case.stdout in stdout, stdout[-2000:]
+    if case.env.get("PYTHONIOENCODING") == "ascii":
+        assert stdout.isascii()
+    # Files that were there are byte for byte as they were, unless they are the outputs of a
+    # run that succeeded; nothing else appears (no temporary files left behind).
+    for name, content in before.items():
+        if not (case.code == 0 and name in case.changes):
+            assert after.get(name) == content, f"{name} changed"
+    assert set(after) <= set(before) | case.changes, sorted(set(after) - set(before))
+    if case.code == 0 and case.changes:
+        assert all(after[name] != before.get(name) for name in case.changes)
+
+
+# --- signals: wait for the first measured cell, then interrupt ---------------------------------
+
+
+@pytest.mark.parametrize("sig,code,line", [(signal.SIGTERM, 143, "tfcli: terminated (SIGTERM)"),
+                                           (signal.SIGINT, 130, "tfcli: interrupted (Ctrl-C)")])
+def test_signal_mid_sweep_keeps_results_and_the_existing_csv(tmp_path, sig, code, line):
+    (tmp_path / "out.csv").write_bytes(PRECIOUS["out.csv"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfcli", "bench", "--seq-lens", "16,32,64,128,256,512,1024",
+         "--heads", "2", "--head-dim", "8", "--min-time", "1", "--csv", "out.csv"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "100"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS)))
+    first = proc.stderr.readline()  # the first finished cell
+    assert first.startswith("L="), first
+    time.sleep(0.2)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == line
+    assert "kernel" in stdout and "interrupted" in stdout  # the table of what was measured
+    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
+# --- fuzzing, in-process (configuration is torch-free) -----------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tfcli.model.config import FIELDS  # noqa: E402
+
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+VALUES = st.one_of(st.text(max_size=60), st.integers().map(str),
+                   st.integers(min_value=-2**4000, max_value=2**4000).map(str),
+                   st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                   st.sampled_from(["none", "null", "true", "inf", "-inf", "nan", "1e999", "",
+                                    "0x10", "1_0", "５", " 8 ", "-0"]))
+
+
+def _no_crash(result) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert result.exit_code in (0, 2), (result.exit_code, result.stderr)
+    if result.exit_code == 2:
+        assert result.stderr.startswith("tfcli: error: ") and result.stderr.count("\n") == 1
+
+
+@FUZZ
+@given(key=st.sampled_from(sorted(FIELDS)), value=VALUES)
+def test_fuzz_set_values(cli, key, value):
+    _no_crash(cli("config", "--json", "--set", f"{key}={value}"))
+
+
+@FUZZ
+@given(content=st.one_of(
+    st.binary(max_size=300),
+    st.text(max_size=300).map(str.encode),
+    st.dictionaries(st.sampled_from(sorted(FIELDS)), st.one_of(
+        st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
+        st.lists(st.integers(), max_size=3)), max_size=6).map(
+            lambda d: json.dumps(d).encode()),
+    st.recursive(st.integers() | st.text(max_size=5),
+                 lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                     st.text(max_size=5), inner, max_size=3), max_leaves=40).map(
+        lambda v: json.dumps(v).encode())), suffix=st.sampled_from([".json", ".toml"]))
+def test_fuzz_config_files(cli, tmp_path_factory, content, suffix):
+    path = tmp_path_factory.mktemp("fuzz") / f"c{suffix}"
+    path.write_bytes(content)
+    _no_crash(cli("config", "--json", "--config", str(path)))
+
+
+# --- security: no value from the user reaches eval, exec, pickle or a shell ----------------------
+
+
+def test_no_eval_exec_pickle_or_shell_in_the_package():
+    import ast
+
+    import tfcli
+
+    banned_calls = {"eval", "exec", "compile", "__import__"}
+    banned_attrs = {("os", "system"), ("os", "popen"), ("torch", "load"), ("pickle", "load"),
+                    ("pickle", "loads"), ("yaml", "load"), ("marshal", "loads")}
+    banned_modules = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
+    found = []
+    for path in Path(tfcli.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call):
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in banned_calls:
+                    found.append(f"{where} {func.id}()")
+                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and \
+                        (func.value.id, func.attr) in banned_attrs:
+                    found.append(f"{where} {func.value.id}.{func.attr}()")
+                for kw in node.keywords:
+                    if kw.arg == "shell" and not (isinstance(kw.value, ast.Constant)
+                                                  and kw.value.value is False):
+                        found.append(f"{where} shell=")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                    else [node.module or ""]
+                found += [f"{where} import {n}" for n in names
+                          if n.split(".")[0] in banned_modules]
+    # Reviewed exceptions: files tfcli itself wrote a moment ago into a private directory.
+    allowed = {"launch.py torch.load()"}  # dist: each rank's results, from its own mkdtemp()
+    assert [f for f in found if f"{f.split(':')[0]} {f.split(' ', 1)[1]}" not in allowed] == []
+    # The one place a user's code runs is --model FILE.py:NAME, by the user's explicit opt-in;
+    # it imports that file and nothing else (no string is evaluated).
+    user = (Path(tfcli.__file__).parent / "subjects" / "user.py").read_text()
+    assert "spec_from_file_location" in user or "import_module" in user
