@@ -75,20 +75,20 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _cgroup_available() -> int | None:
+def _cgroup_available(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
     """Limit minus usage of this process's memory cgroup (v2, else v1); None if unlimited."""
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(proc) as f:
             lines = f.read(65536).splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
-            candidates = [("/sys/fs/cgroup" + path).rstrip("/"), "/sys/fs/cgroup"]
+            candidates = [(root + path).rstrip("/"), root]
             files = ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            candidates = [("/sys/fs/cgroup/memory" + path).rstrip("/"), "/sys/fs/cgroup/memory"]
+            candidates = [(f"{root}/memory" + path).rstrip("/"), f"{root}/memory"]
             files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
