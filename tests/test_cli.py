@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
+
+import pytest
 
 from tfcli import __version__
 from tfcli.model.presets import PRESETS
@@ -68,3 +72,146 @@ def test_config_toml_is_loadable_and_json_has_derived_sizes(cli, tmp_path):
     again = cli("config", "--config", str(path), "--json")
     payload = json.loads(again.stdout)
     assert payload["config"]["d_model"] == 64 and payload["derived"]["d_k"] == 16
+
+
+# --- how a run ends: one line and an exit code that means one thing (issue 11) -----------------
+
+
+def test_a_bug_is_one_line_exit_70_and_a_traceback_on_request(cli, monkeypatch):
+    import tfcli.cli.config_cmd as config_cmd
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(config_cmd, "resolve_config", broken)
+    result = cli("config")
+    assert result.exit_code == 70
+    assert result.stderr == ("tfcli: error: internal error: ZeroDivisionError: division by zero "
+                             "(please report it; TFCLI_TRACEBACK=1 prints the traceback)\n")
+    again = cli("config", env={"TFCLI_TRACEBACK": "1"})
+    assert isinstance(again.exception, ZeroDivisionError)
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_130(cli, monkeypatch):
+    import tfcli.cli.config_cmd as config_cmd
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config_cmd, "resolve_config", interrupted)
+    result = cli("config")
+    assert result.exit_code == 130 and result.stderr == "tfcli: interrupted (Ctrl-C)\n"
+
+
+def test_ascii_stand_ins():
+    from tfcli.cli._common import _ascii_fallback  # noqa: F401 (registers nothing by itself)
+    import codecs
+
+    codecs.register_error("tfcli-ascii", _ascii_fallback)
+    text = "2 × 3 → ∞ ≡ ✓ ∝ L² Qᵀ │├└ é 漢"
+    assert text.encode("ascii", "tfcli-ascii") == b"2 x 3 -> inf == ok ~ L^2 Q^T |+` e ?"
+
+
+@pytest.mark.parametrize("columns,width", [("0", "60"), ("-5", "60"), ("wide", "60"),
+                                           ("1", "60"), ("100", "100"), ("9" * 20, "60"),
+                                           ("99999", "1000")])
+def test_columns_are_clamped(cli, columns, width):
+    code = "import os; print(os.environ['COLUMNS'])"
+    result = subprocess.run([sys.executable, "-c", "from tfcli.cli._common import "
+                             "_prepare_process; _prepare_process(); " + code],
+                            capture_output=True, text=True, env={"COLUMNS": columns})
+    assert result.stdout.strip() == width
+
+
+# --- output files: checked before work, written atomically -------------------------------------
+
+
+def test_outputs_are_checked_before_work(tmp_path):
+    from tfcli.cli._outputs import Output, check_outputs
+    from tfcli.errors import TfcliError
+
+    (tmp_path / "d.csv").mkdir()
+    (tmp_path / "f.csv").write_text("x")
+    cases = [
+        ((Output(tmp_path / "d.csv", "--csv", ".csv"),), "is a directory"),
+        ((Output(tmp_path / "r.txt", "--csv", ".csv"),), "must end in .csv"),
+        ((Output(tmp_path / "no" / "r.csv", "--csv", ".csv"),), "no such directory"),
+        ((Output(Path("/dev/null.csv"), "--csv", ".csv"),), "cannot write in directory"
+         if os.geteuid() else "no such directory" if not Path("/dev").exists() else None),
+        ((Output(tmp_path / "f.csv", "--profile", directory=True),), "is not a directory"),
+        ((Output(tmp_path / "a.csv", "--csv"), Output(tmp_path / "." / "a.csv", "--profile",
+                                                     directory=True)),
+         "--csv and --profile both name"),
+    ]
+    for outputs, message in cases:
+        if message is None:
+            continue
+        with pytest.raises(TfcliError, match=message):
+            check_outputs(*outputs)
+    check_outputs(Output(tmp_path / "f.csv", "--csv", ".csv"), Output(None, "--plot"),
+                  Output(tmp_path / "traces", "--profile", directory=True))
+
+
+def test_atomic_file_keeps_the_old_file_until_commit(tmp_path):
+    from tfcli.cli._outputs import AtomicFile
+
+    path = tmp_path / "r.csv"
+    path.write_text("old")
+    path.chmod(0o640)
+    out = AtomicFile(path)
+    out.text().write("new")
+    out.text().flush()
+    assert path.read_text() == "old" and out.temp.read_text() == "new"
+    out.commit()
+    assert path.read_text() == "new" and (path.stat().st_mode & 0o777) == 0o640
+    again = AtomicFile(path)
+    again.text().write("half")
+    again.discard()
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.csv"]
+
+
+def _ctrl_c_at_block(monkeypatch, n: int) -> None:
+    from tfcli.bench.timer import CellTimer
+
+    calls, original = {"n": 0}, CellTimer.block
+
+    def block(self):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(CellTimer, "block", block)
+
+
+def test_interrupted_bench_leaves_an_existing_csv_as_it_was(cli, monkeypatch, tmp_path):
+    _ctrl_c_at_block(monkeypatch, 6)
+    path = tmp_path / "r.csv"
+    path.write_bytes(b"precious\n")
+    result = cli("bench", "--seq-lens", "16,32,64", "--heads", "2", "--head-dim", "8",
+                 "--min-time", "0.02", "--max-time", "0.05", "--csv", str(path))
+    assert result.exit_code == 130 and result.stderr.endswith("tfcli: interrupted (Ctrl-C)\n")
+    assert "not written: records" in result.stdout and "wrote records" not in result.stdout
+    assert path.read_bytes() == b"precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv"]
+
+
+def test_plot_failure_after_the_sweep_keeps_the_table_and_the_old_plot(cli, monkeypatch,
+                                                                       tmp_path):
+    pytest.importorskip("matplotlib")
+    import tfcli.render.bench_plot as bench_plot
+
+    def full_disk(records, path, *context):
+        Path(path).write_bytes(b"half a plot")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench_plot, "save_plot", full_disk)
+    plot = tmp_path / "p.png"
+    plot.write_bytes(b"old plot")
+    result = cli("bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels",
+                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.02",
+                 "--plot", str(plot))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (f"tfcli: error: --plot '{plot}': [Errno 28] No "
+                                              f"space left on device")
+    assert plot.read_bytes() == b"old plot" and [p.name for p in tmp_path.iterdir()] == ["p.png"]
