@@ -3,6 +3,7 @@ are presented (one line on stderr, exit code 2, no traceback)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -237,11 +238,18 @@ class _Signals:
         return TERMINATED if self.received == signal.SIGTERM else INTERRUPTED
 
 
-def _write_failure(err: OSError) -> str:
+_WRITE_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EBADF, errno.EIO}
+
+
+def _os_failure(err: OSError) -> tuple[int, str]:
+    """Exit code and line for an OSError no command caught: writing the output failed (1), or
+    a path the user named could not be used (2)."""
     if isinstance(err, BrokenPipeError):
-        return "output closed before everything was written (broken pipe)"
-    where = f": {err.filename}" if err.filename else ""
-    return f"could not write the output{where}: {err.strerror or err}"
+        return 1, "output closed before everything was written (broken pipe)"
+    if err.errno in _WRITE_ERRNOS or not err.filename:
+        where = f": {err.filename}" if err.filename else ""
+        return 1, f"could not write the output{where}: {err.strerror or err}"
+    return 2, f"{err.filename}: {err.strerror or err}"
 
 
 def _silence_stdout() -> None:
@@ -283,7 +291,7 @@ class TfcliGroup(TyperGroup):
         except KeyboardInterrupt:
             raise _Stopped(INTERRUPTED, "interrupted") from None
         except OSError as err:  # typer swallows EPIPE silently; say it in one line
-            raise _Stopped(1, _write_failure(err)) from None
+            raise _Stopped(*_os_failure(err)) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _prepare_process()
@@ -320,7 +328,7 @@ class TfcliGroup(TyperGroup):
             if code != INTERRUPTED:
                 fail(str(stop), code)
         except OSError as err:
-            code = fail(_write_failure(err), 1)
+            code = fail(*reversed(_os_failure(err)))
         except MemoryError:
             code = fail("out of memory: the run needed more than the machine could give; use "
                         "smaller sizes or a lower --max-memory", 1)
