@@ -364,3 +364,42 @@ def test_a_sweep_on_a_quiet_machine_is_not_flagged():
         assert not any(r.reliable is False for r in sweep.records), \
             [(r.seq_len, r.unreliable_why) for r in sweep.records]
 
+
+
+def test_unreliable_cells_get_extra_rounds_up_to_max_time(monkeypatch):
+    """Samples are scripted: a steady cell stops once --min-time is spent, a noisy one goes on
+    to --max-time and is then given up as unreliable, saying why."""
+    import itertools
+
+    def sweep_with(samples):
+        script = itertools.cycle(samples)
+
+        def block(self):
+            self.number = 1
+            self.samples.append(next(script))
+            self.runs += 1
+            return self.samples[-1]
+
+        monkeypatch.setattr(CellTimer, "block", block)
+        monkeypatch.setattr(CellTimer, "warm_up", lambda self, seconds: 0.01)
+        spec = tiny_spec(seq_lens=[16], kernels=["sdpa"], passes=["fwd"], min_time=0.05,
+                         max_time=0.5)
+        (record,) = Sweep(spec).run()
+        return record
+
+    steady = sweep_with([0.01])
+    assert steady.n == 5 and steady.dispersion == 0  # 5 × 10 ms reaches --min-time
+    noisy = sweep_with([0.01, 0.02, 0.005, 0.03])
+    assert sum(noisy.samples_s) >= 0.5 and noisy.n > 20
+    assert noisy.reliable is False and "IQR" in noisy.unreliable_why
+
+
+def test_csv_carries_reliability(cli, tmp_path):
+    path = tmp_path / "r.csv"
+    result = cli("bench", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8", "--kernels",
+                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.05",
+                 "--csv", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == 2 and all(row["reliable"] in ("True", "False") for row in rows)
+    assert all(float(row["dispersion"]) >= 0 for row in rows)
