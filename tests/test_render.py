@@ -177,10 +177,12 @@ def test_rows_with_no_allowed_key_behave_as_the_grids_say():
     scores = x @ x.transpose(-1, -2)
     minus_1e9 = torch.softmax(scores.masked_fill(~allowed, -1e9), -1)[0, 1]
     minus_inf = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[0, 1]
-    assert torch.allclose(minus_1e9, torch.full((3,), 1 / 3)) and "equal weights" in EMPTY_ROW["keep-01"]
+    assert torch.allclose(minus_1e9, torch.full((3,), 1 / 3))
+    assert "equal weights" in EMPTY_ROW["keep-01"]
     assert minus_inf.isnan().all() and "-inf → NaN" in EMPTY_ROW["keep-01"]
     sdpa = F.scaled_dot_product_attention(x[None], x[None], x[None], attn_mask=allowed)[0, 0, 1]
-    assert (sdpa == 0).all() and "SDPA (torch 2.13) and tfcli give zeros" in EMPTY_ROW["bool-allowed"]
+    assert (sdpa == 0).all()
+    assert "SDPA (torch 2.13) and tfcli give zeros" in EMPTY_ROW["bool-allowed"]
     mha = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
     with torch.no_grad():
         out = mha(x, x, x, attn_mask=~allowed)[0][0, 1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from tfcli.bench.sweep import Fit, Record
 from tfcli.render import human_bytes

@@ -104,7 +104,8 @@ def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: i
         role = "" if named.used_by_model else "  [a component of the next mask]"
         console.print(Text(f"{named.name}: {named.description}{role}", style="bold"),
                       soft_wrap=False)
-        q, k = ("T" if named.query_side == "tgt" else "S"), ("T" if named.key_side == "tgt" else "S")
+        q = "T" if named.query_side == "tgt" else "S"
+        k = "T" if named.key_side == "tgt" else "S"
         console.print(f"{_stored(shape, convention)} → scores [B, h, {q}, {k}] = "
                       f"[{batch_size}, {n_heads}, {q_len}, {k_len}]", soft_wrap=False)
         if convention == "bool-blocked":
