@@ -42,6 +42,17 @@ class TrainDevice(str, Enum):
     cuda = "cuda"
 
 
+class Checkpointing(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Fit(str, Enum):
+    batch = "batch"
+    seq_len = "seq-len"
+
+
 class Kernel(str, Enum):
     auto = "auto"
     math = "math"
@@ -92,6 +103,22 @@ def params(
     build_on: Annotated[BuildDevice, typer.Option(
         help="Where to build the model for counting: meta allocates nothing; cpu for a --model "
              "that cannot be built on meta.")] = BuildDevice.meta,
+    parallel: Annotated[Optional[str], typer.Option(
+        metavar="dp=N,zero=0-3,tp=T,pp=P,cp=C", show_default=False,
+        help="Memory per rank under data (ZeRO/FSDP), tensor (+sequence), pipeline and context "
+             "parallelism, e.g. dp=8,zero=3,tp=2.")] = None,
+    checkpointing: Annotated[Optional[Checkpointing], typer.Option(
+        show_default=False, help="Activation recomputation for the per-rank plan (default "
+                                 "none).")] = None,
+    micro_batches: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False,
+        help="Micro-batches per step with pipeline parallelism (default: pp).")] = None,
+    device_memory: Annotated[Optional[str], typer.Option(
+        metavar="SIZE|GPU", show_default=False,
+        help="Per-rank device memory, e.g. 80GiB or H100: prints the headroom.")] = None,
+    fit_: Annotated[Optional[Fit], typer.Option(
+        "--fit", show_default=False,
+        help="Search the largest --batch-size or --seq-len that fits --device-memory.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
@@ -132,6 +159,13 @@ def params(
         raise TfcliError(f"--attention-kernel {kernel} on --device cpu with dropout="
                          f"{cfg.dropout}: the CPU flash kernel takes no dropout (SDPA falls "
                          f"back to math); size a GPU run with --device cuda")
+    if any(v is not None for v in (parallel, checkpointing, micro_batches, device_memory, fit_)):
+        from tfcli.dist.report import params_parallel  # issue 14: memory per rank
+
+        return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
+                               checkpointing.value if checkpointing else None, dtype.value, mixed,
+                               optimizer.value, kernel, device_memory,
+                               fit_.value if fit_ else None, inference, json_out)
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model)
