@@ -363,3 +363,63 @@ def test_bench_nproc_bad_input_is_one_line(cli, args, message):
     result = cli("bench", *args)
     assert result.exit_code == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_params_parallel_json_lines_and_headroom(cli):
+    result = cli("params", "-p", "gpt2-small", "--parallel", "dp=2,zero=3,tp=2", "--seq-len",
+                 "128", "--batch-size", "2", "--checkpointing", "full", "--device-memory",
+                 "24GB", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["world_size"] == 4 and data["parallel"]["zero"] == 3
+    names = [line["name"] for line in data["lines"]]
+    assert names[:3] == ["weights", "gradients", "optimizer state"]
+    assert {"all-gather buffer", "activations: recomputed layer"} <= set(names)
+    assert all(line["how"] for line in data["lines"])
+    total = sum(line["bytes"] for line in data["lines"])
+    assert data["total_bytes"] == total
+    assert data["device"]["headroom_bytes"] == 24 * 10**9 - total and data["device"]["fits"]
+    assert data["cross_check"][1]["name"] == "per layer: Korthikanti et al. 2022"
+
+
+def test_params_parallel_table(cli):
+    result = cli("params", "-p", "llama-2-7b", "--parallel", "dp=8,zero=1")
+    assert result.exit_code == 0, result.stderr
+    assert "per rank: dp=8, zero=1" in result.stdout and "8Ψ/N = 8 B" in result.stdout
+    assert "activations: not estimated" in result.stdout
+
+
+def test_params_fit_batch_is_the_largest_that_fits(cli):
+    args = ["params", "-p", "gpt2-small", "--set", "n_decoder_layers=2", "--set", "d_model=64",
+            "--set", "n_heads=4", "--set", "d_ff=256", "--set", "tgt_vocab_size=500",
+            "--parallel", "dp=4,zero=3", "--seq-len", "64", "--device-memory", "64MiB", "--json"]
+    result = cli(*args, "--fit", "batch")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    best = data["fit"]["largest"]
+    assert best and data["conditions"]["micro_batch"] == best and data["device"]["fits"]
+    over = json.loads(cli(*args, "--batch-size", str(best + 1)).stdout)
+    assert not over["device"]["fits"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel", "dp=2,zero=7"], "zero=7 must be 0, 1, 2 or 3"),
+    (["--parallel", "dp=2", "--fit", "batch", "--seq-len", "64"], "--fit needs --device-memory"),
+    (["--parallel", "dp=2", "--fit", "batch", "--device-memory", "H100"],
+     "--fit batch needs --seq-len"),
+    (["--parallel", "dp=2", "--device-memory", "80XB"], "--device-memory '80XB'"),
+    (["--parallel", "tp=5"], "n_heads=12 is not divisible by 5"),
+    (["--parallel", "cp=3", "--seq-len", "64"], "not divisible by cp=3"),
+    (["--parallel", "dp=2", "--inference", "--seq-len", "64"], "--inference is for one device"),
+])
+def test_params_parallel_bad_input_is_one_line(cli, args, message):
+    result = cli("params", "-p", "gpt2-small", *args)
+    assert result.exit_code == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_params_parallel_refuses_a_model_it_cannot_split(cli, tmp_path):
+    (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(3, 4)\n")
+    result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2")
+    assert result.exit_code == 2
+    assert "--parallel needs tfcli's own configuration" in result.stderr
