@@ -167,6 +167,19 @@ def require(nbytes: int, what: str, max_memory: int | None = None, device: str =
 # --- estimates --------------------------------------------------------------------------------
 
 
+def weight_bytes(subject) -> int | None:
+    """Bytes of ``subject``'s parameters and buffers, from a build on meta; None when it cannot
+    be built there (the reason a --model is built on the CPU at all)."""
+    device, abstract = subject.abstract_run("meta")
+    try:
+        with abstract:
+            model = subject.build(device)
+            return sum(t.numel() * t.element_size() for t in [*model.parameters(),
+                                                              *model.buffers()])
+    except Exception:  # noqa: BLE001 - any failure means "unknown", never a refusal
+        return None
+
+
 def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32") -> tuple[int, str]:
     """Bytes of building ``subject`` for real and running one training step at ``sizes``
     (a forward alone needs less): weights and buffers, gradients, and the activation peak of a

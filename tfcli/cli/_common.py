@@ -90,6 +90,17 @@ def guard_run(subject, dims: dict[str, int] | None, what: str, max_memory: str |
     require(need, what, limit, device, how)
 
 
+def guard_build(subject, what: str, max_memory: str | None = None) -> None:
+    """Refuse to build ``subject``'s weights on the CPU when they would not fit (estimated on
+    meta; a model that cannot be built there is not estimated)."""
+    from tfcli.guard import parse_size, require, weight_bytes
+
+    limit = parse_size(max_memory) if max_memory is not None else None
+    need = weight_bytes(subject)
+    if need is not None:
+        require(need, what, limit, "cpu", "parameters and buffers")
+
+
 MAX_SIZE = 2**31 - 1
 
 

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
-                               ModelOpt, PresetOpt, SetOpt, print_json, resolve_subject, sizes,
-                               stdout)
+                               ModelOpt, PresetOpt, SetOpt, guard_build, print_json,
+                               resolve_subject, sizes, stdout)
 
 
 class DType(str, Enum):
@@ -166,6 +166,8 @@ def params(
                                checkpointing.value if checkpointing else None, dtype.value, mixed,
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out)
+    if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
+        guard_build(subject, "params --build-on cpu")
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model)
