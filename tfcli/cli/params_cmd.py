@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, ModelArgOpt,
-                               ModelOpt, PresetOpt, SetOpt, guard_build, print_json,
+from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_build, print_json,
                                resolve_subject, sizes, stdout)
 
 
@@ -103,6 +103,7 @@ def params(
     build_on: Annotated[BuildDevice, typer.Option(
         help="Where to build the model for counting: meta allocates nothing; cpu for a --model "
              "that cannot be built on meta.")] = BuildDevice.meta,
+    max_memory: MaxMemoryOpt = None,
     parallel: Annotated[Optional[str], typer.Option(
         metavar="dp=N,zero=0-3,tp=T,pp=P,cp=C", show_default=False,
         help="Memory per rank under data (ZeRO/FSDP), tensor (+sequence), pipeline and context "
@@ -167,7 +168,9 @@ def params(
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
-        guard_build(subject, "params --build-on cpu")
+        guard_build(subject, "params --build-on cpu", max_memory)
+    elif max_memory is not None:
+        raise TfcliError("--max-memory bounds --build-on cpu; meta allocates nothing")
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model)
