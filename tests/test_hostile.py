@@ -270,6 +270,12 @@ TORCH_CASES: list[Case] = [
                                         "x=float32[B,4]", "--json"], 1,
          stdout='"error": "forward pass failed', files={"broken.py": FAIL_FORWARD.encode()},
          stderr_lines=0),  # the failure is in the JSON
+    Case("params-build-on-cpu-too-big", ["params", "--build-on", "cpu", "--preset", "tiny",
+                                         "--set", "positional=learned", "--set",
+                                         "max_seq_len=100000000"], 2,
+         "params --build-on cpu needs an estimated 23.8 GiB (parameters and buffers)"),
+    Case("params-max-memory-on-meta", ["params", "--preset", "tiny", "--max-memory", "1GB"], 2,
+         "--max-memory bounds --build-on cpu"),
     Case("params-columns-0", ["params", "--preset", "tiny", "--depth", "1"], 0,
          env={"COLUMNS": "0"}, stdout="total"),
     Case("params-model-missing", ["params", "--model", "absent.py:M"], 2, "absent.py"),
