@@ -96,7 +96,7 @@ def parse_input(text: str) -> InputSpec:
                          f"{', '.join(sorted(set(DTYPES)))}")
     dims: list[str | int] = []
     for part in (p.strip() for p in dims_text.split(",")):
-        if part.isdigit() and int(part) > 0:
+        if part.isdigit() and 0 < int(part) <= 2**40:  # --dim's bound: beyond, sizes overflow
             dims.append(int(part))
         elif re.fullmatch(r"[A-Za-z_]\w*", part or "-"):
             dims.append(part)
