@@ -102,7 +102,7 @@ def parse_input(text: str) -> InputSpec:
             dims.append(part)
         else:
             raise TfcliError(f"--input {text!r}: each dimension is a letter bound by --dim "
-                             f"(B, S, T, L, ...) or a positive integer, got {part!r}")
+                             f"(B, S, T, L, ...) or a positive integer up to 2**40, got {part!r}")
     if high is not None and (DTYPES[dtype].is_floating_point or DTYPES[dtype] == torch.bool
                              or int(high) < 1):
         raise TfcliError(f"--input {text!r}: '<N' bounds integer token ids and needs N >= 1")
