@@ -376,7 +376,8 @@ def parse_value(name: str, text: str) -> Any:
             return False
         _fail(name, text, "must be true or false" + ("" if hint is bool else " or none"))
     if hint in (int, int | None) and len(raw) > 40:  # int() refuses 4,300+ digits anyway
-        shown = f"a {len(raw)}-{'digit number' if raw.lstrip('+-').isdigit() else 'character value'}"
+        kind = "digit number" if raw.lstrip("+-").isdigit() else "character value"
+        shown = f"a {len(raw)}-{kind}"
         allowed = "must not be negative" if raw.startswith("-") else \
             f"must be at most {LIMITS.get(name, 2**63 - 1):,}"
         raise ConfigError(f"{name}={shown}: {allowed}")
