@@ -331,15 +331,19 @@ def flagged(sweep) -> bool:
 
 
 def test_a_sweep_beside_busy_processes_is_flagged():
-    """Twice as many spinning processes as CPUs (each stops itself after 15 s, and is killed when
-    the sweep ends) steal time slices from some runs and not others."""
+    """Three spinning processes per CPU (each stops itself after 15 s, and is killed when the
+    sweep ends) leave the one-thread sweep a quarter of the machine and steal time slices from
+    some runs and not others."""
     import os
     import subprocess
     import sys
 
+    from tfcli.bench.timer import peak_memory
+
+    peak_memory(lambda: torch.ones(4) * 2, "cpu")  # the profiler's one-off start, while quiet
     spin = "import time\nend = time.time() + 15\nwhile time.time() < end: pass"
     spinners = [subprocess.Popen([sys.executable, "-c", spin])
-                for _ in range(2 * (os.cpu_count() or 1))]
+                for _ in range(3 * (os.cpu_count() or 1))]
     try:
         sweep = Sweep(tiny_spec(**NOISY_SPEC))
         sweep.run()
