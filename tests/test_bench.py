@@ -407,3 +407,8 @@ def test_csv_carries_reliability(cli, tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert len(rows) == 2 and all(row["reliable"] in ("True", "False") for row in rows)
     assert all(float(row["dispersion"]) >= 0 for row in rows)
+    # and, the sweep over, each row the fit of its series
+    assert rows[0]["fit_ci95_low"] == rows[1]["fit_ci95_low"] != ""
+    assert float(rows[0]["fit_ci95_low"]) <= float(rows[0]["fit_ci95_high"])
+    assert rows[0]["fit_time_exponent"] != ""
+    assert rows[0]["fit_reliable"] in ("True", "False")

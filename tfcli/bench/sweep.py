@@ -150,6 +150,15 @@ def fits(records: list[Record]) -> list[Fit]:
     return out
 
 
+def fit_columns(fitted: list[Fit]) -> dict[str, dict]:
+    """Per series, the columns each CSV row of its records gets once the sweep is over."""
+    return {f.series: {"fit_time_exponent": f.time_exponent,
+                       "fit_ci95_low": f.ci95[0] if f.ci95 else None,
+                       "fit_ci95_high": f.ci95[1] if f.ci95 else None,
+                       "fit_memory_exponent": f.memory_exponent, "fit_reliable": f.reliable,
+                       "fit_unreliable_why": f.unreliable_why} for f in fitted}
+
+
 def device_problem(device: str) -> str | None:
     if device == "cpu":
         return None

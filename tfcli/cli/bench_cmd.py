@@ -278,6 +278,8 @@ def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,
                          f"left as it was)")
         else:
             try:
+                if len(plot_context) > 1:  # a finished sweep: each row gets its series' fit
+                    _add_fit_columns(csv_out, plot_context[1])
                 csv_out.commit()
             except OSError as error:
                 raise TfcliError(f"--csv {str(csv_out.path)!r}: {error.strerror or error}",
@@ -295,6 +297,28 @@ def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,
             raise TfcliError(f"--plot {str(plot)!r}: {error}", exit_code=1) from None
         lines.append(f"wrote plot: {plot}")
     return lines
+
+
+def _add_fit_columns(csv_out: AtomicFile, fitted) -> None:
+    """Rewrite the finished CSV (still under its temporary name) with the fit of each row's
+    series: exponent, 95 % interval, reliable."""
+    from tfcli.bench.sweep import fit_columns
+
+    if csv_out._file is None:
+        return
+    csv_out._file.close()
+    with csv_out.temp.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    by_series = fit_columns(fitted)
+    extra = list(next(iter(by_series.values()), {}))
+    if not rows or not extra:
+        return
+    with csv_out.temp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], *extra])
+        writer.writeheader()
+        for row in rows:
+            series = f"{row['kernel']} {row['pass']} {row['device']} {row['dtype']}"
+            writer.writerow({**row, **by_series.get(series, {})})
 
 
 def _profiler(directory: Path):
