@@ -341,10 +341,13 @@ def test_a_sweep_beside_busy_processes_is_flagged():
     from tfcli.bench.timer import peak_memory
 
     peak_memory(lambda: torch.ones(4) * 2, "cpu")  # the profiler's one-off start, while quiet
-    spin = "import time\nend = time.time() + 15\nwhile time.time() < end: pass"
-    spinners = [subprocess.Popen([sys.executable, "-c", spin])
+    spin = ("import time\nprint('spinning', flush=True)\nend = time.time() + 15\n"
+            "while time.time() < end: pass")
+    spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
                 for _ in range(3 * (os.cpu_count() or 1))]
     try:
+        for p in spinners:  # the sweep is short: start it only once every spinner spins
+            p.stdout.readline()
         sweep = Sweep(tiny_spec(**NOISY_SPEC))
         sweep.run()
     finally:

@@ -50,3 +50,20 @@ def test_grouped_query_attention_cells_agree_across_kernels():
     assert cells["naive"].flops == 3 * 4 * 2 * 8 * 24 * 24 * 16 // 2  # causal half, fwd+bwd
     for cell in cells.values():
         cell.run()  # backward through the grouped K/V runs
+
+
+def test_bench_attention_takes_the_configs_kv_heads(cli):
+    import json
+
+    result = cli("bench", "--preset", "llama-tiny", "--seq-lens", "16,32", "--kernels",
+                 "naive,sdpa", "--pass", "fwd", "--min-time", "0.01", "--max-time", "0.1",
+                 "--threads", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["spec"]["heads"], data["spec"]["kv_heads"]) == (6, 3)  # llama-tiny's GQA
+    assert {r["status"] for r in data["records"]} <= {"ok"}  # sdpa agreed with naive
+    bad = cli("bench", "--heads", "6", "--kv-heads", "4", "--seq-lens", "16")
+    assert bad.exit_code == 2 and "must divide the 6 query heads" in bad.stderr
+    model = cli("bench", "--what", "model", "--preset", "llama-tiny", "--kv-heads", "2",
+                "--seq-lens", "16")
+    assert model.exit_code == 2 and "apply to --what attention" in model.stderr

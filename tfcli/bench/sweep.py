@@ -53,6 +53,7 @@ class Spec:
     seed: int = 0
     calibrate_size: int = CALIBRATION_SIZE  # n of the n×n matmul timed as the peak
     max_memory: int | None = None  # bytes a cell may use; None: what the machine has left
+    kv_heads: int | None = None  # attention: K/V heads (grouped-query); None: as many as Q
 
     def batch_for(self, length: int) -> int:
         return max(1, self.tokens // length) if self.tokens else self.batch_size
@@ -294,7 +295,8 @@ class Sweep:
         s = self.spec
         if s.what == "attention":
             return prepare_attention(kernel, which, s.batch_for(length), s.heads, s.head_dim,
-                                     length, s.causal, device, DTYPES[dtype], s.seed)
+                                     length, s.causal, device, DTYPES[dtype], s.seed,
+                                     kv_heads=s.kv_heads)
         sizes = self._sizes(length)
         return prepare_model(self._model(kernel, device, dtype), self.subject, which, sizes,
                              device, self._model_flops(sizes))

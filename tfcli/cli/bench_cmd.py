@@ -73,6 +73,10 @@ def bench(
     head_dim: Annotated[Optional[int], typer.Option(
         min=1, max=2**20, show_default=False, help="Attention: d_k (default: the config's).")
     ] = None,
+    kv_heads: Annotated[Optional[int], typer.Option(
+        min=1, max=2**20, show_default=False,
+        help="Attention: K/V heads, grouped-query attention (default: the config's; a divisor "
+             "of --heads).")] = None,
     causal: Annotated[bool, typer.Option(
         "--causal", help="Attention: causal mask (FLOPs count half).")] = False,
     threads: Annotated[Optional[int], typer.Option(
@@ -156,9 +160,9 @@ def bench(
         if cfg is not None and cfg.positional != "none" and longest > cfg.max_seq_len:
             raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"add --set max_seq_len={longest}")
-        if heads or head_dim or causal:
-            raise TfcliError("--heads, --head-dim and --causal apply to --what attention; "
-                             "the model's own come from its configuration")
+        if heads or head_dim or kv_heads or causal:
+            raise TfcliError("--heads, --head-dim, --kv-heads and --causal apply to --what "
+                             "attention; the model's own come from its configuration")
     elif tgt_len is not None:
         raise TfcliError("--tgt-len applies to --what model")
     if tgt_len is not None and not {"S", "T"} <= set(subject.length_dims()):
@@ -180,10 +184,15 @@ def bench(
     from tfcli.bench.sweep import Spec
 
     known = subject.model_dims(None) if cfg is not None or subject.kind == "hf" else {}
+    n_heads = heads or known.get("h", 8)
+    n_kv = kv_heads or (known.get("h_kv") if not heads else None) or n_heads
+    if n_heads % n_kv:
+        raise TfcliError(f"--kv-heads {n_kv}: must divide the {n_heads} query heads (each K/V "
+                         f"head serves a group of query heads)")
     spec = Spec(what, lengths, chosen, passes, devices, dtypes, batch_size, tokens,
-                heads or known.get("h", 8), head_dim or known.get("d_k", 64), causal, tgt_len,
+                n_heads, head_dim or known.get("d_k", 64), causal, tgt_len,
                 threads or torch.get_num_threads(), min_time, max_time, calibrate, seed,
-                max_memory=memory_limit)
+                max_memory=memory_limit, kv_heads=n_kv if n_kv != n_heads else None)
     _run(spec, subject, csv_path, plot, profile, json_out)
 
 
