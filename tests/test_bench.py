@@ -331,8 +331,8 @@ def flagged(sweep) -> bool:
 
 
 def test_a_sweep_beside_busy_processes_is_flagged():
-    """Three spinning processes per CPU (each stops itself after 15 s, and is killed when the
-    sweep ends) leave the one-thread sweep a quarter of the machine and steal time slices from
+    """Six spinning processes per CPU (each stops itself after 15 s, and is killed when the
+    sweep ends) leave the one-thread sweep about 2/13 of a CPU and steal time slices from
     some runs and not others."""
     import os
     import subprocess
@@ -344,7 +344,7 @@ def test_a_sweep_beside_busy_processes_is_flagged():
     spin = ("import time\nprint('spinning', flush=True)\nend = time.time() + 15\n"
             "while time.time() < end: pass")
     spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
-                for _ in range(3 * (os.cpu_count() or 1))]
+                for _ in range(6 * (os.cpu_count() or 1))]
     try:
         for p in spinners:  # the sweep is short: start it only once every spinner spins
             p.stdout.readline()
