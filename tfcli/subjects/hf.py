@@ -2,7 +2,8 @@
 directory holding one).
 
 The Transformers model class for that configuration is built from the configuration alone:
-random initialisation, nothing downloaded (``local_files_only``), ``trust_remote_code`` never.
+random initialisation. tfcli reads the JSON itself and hands it to ``AutoConfig.for_model``, so
+nothing is downloaded and no remote code (``auto_map``) is ever run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from tfcli.errors import TfcliError
-from tfcli.subjects.base import Inputs, Subject, make_tensors, InputSpec, check_inputs_fit
+from tfcli.subjects.base import InputSpec, Inputs, Subject, check_inputs_fit, make_tensors
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absurd before reading
 
@@ -94,8 +95,7 @@ class HFSubject(Subject):
         raise TfcliError(f"--model hf:{path_text}: no Transformers model class for model_type "
                          f"{self.config.model_type!r}; name one with --hf-class")
 
-    def build(self, device="meta", dtype=None, kernel=None, attn: str = "sdpa") -> nn.Module:
-        self.config._attn_implementation = attn
+    def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
         previous = torch.get_default_dtype()
         try:
             if dtype is not None:
