@@ -8,8 +8,10 @@ configuration are the three kinds; inspection code sees only this interface.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,6 +242,21 @@ class Subject:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         return "cpu", FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def building(device, dtype: torch.dtype | None):
+    """Where a model someone else wrote is constructed: on ``device``, with ``dtype`` as the
+    default dtype, and their library's advice to the model's author (warnings) kept quiet."""
+    previous = torch.get_default_dtype()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with torch.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def embedding_limit(model: nn.Module) -> int:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from tfcli.errors import TfcliError
-from tfcli.subjects.base import InputSpec, Inputs, Subject, check_inputs_fit, make_tensors
+from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
+                                 make_tensors)
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absurd before reading
 
@@ -96,20 +97,13 @@ class HFSubject(Subject):
                          f"{self.config.model_type!r}; name one with --hf-class")
 
     def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
-        previous = torch.get_default_dtype()
         try:
-            if dtype is not None:
-                torch.set_default_dtype(dtype)
-            with torch.device(device), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model = self.model_class(self.config)
+            with building(device, dtype):
+                return self.model_class(self.config)
         except Exception as error:
             text = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise TfcliError(f"--model {self.label}: building it raised {type(error).__name__}: "
                              f"{text}") from None
-        finally:
-            torch.set_default_dtype(previous)
-        return model
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:

@@ -14,16 +14,14 @@ import importlib.util
 import re
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from tfcli.errors import TfcliError
-from tfcli.subjects.base import (InputSpec, Inputs, Subject, check_inputs_fit, embedding_limit,
-                                 make_tensors, signature_text)
+from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
+                                 embedding_limit, make_tensors, signature_text)
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -116,12 +114,8 @@ class UserSubject(Subject):
         self._given: Inputs | None = None  # inputs the factory returned with the model
 
     def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
-        previous = torch.get_default_dtype()
         try:
-            if dtype is not None:
-                torch.set_default_dtype(dtype)
-            with torch.device(device), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's advice to the model's author
+            with building(device, dtype):
                 result = self._factory(**self.model_args)
         except TfcliError:
             raise
@@ -131,8 +125,6 @@ class UserSubject(Subject):
                     else "")
             raise TfcliError(f"--model {self.ref}: calling it{on} raised {_error_text(error)}"
                              f"{_where(error, self._file)}{hint}") from None
-        finally:
-            torch.set_default_dtype(previous)
         model, given = result, None
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
             model, given = result
