@@ -46,3 +46,22 @@ def golden(request):
         assert text == path.read_text(), f"{name} changed; review, then pytest --update-golden"
 
     return check
+
+
+@pytest.fixture
+def ctrl_c_at_block(monkeypatch):
+    """Press Ctrl-C (raise KeyboardInterrupt) when the bench timer's n-th block starts."""
+    from tfcli.bench.timer import CellTimer
+
+    def arm(n: int) -> None:
+        calls, original = {"n": 0}, CellTimer.block
+
+        def block(self):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+            return original(self)
+
+        monkeypatch.setattr(CellTimer, "block", block)
+
+    return arm

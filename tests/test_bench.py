@@ -152,22 +152,8 @@ def test_unsupported_backends_are_reported_not_run():
     assert eff and all(r.status.startswith("unsupported") for r in eff)
 
 
-def ctrl_c_at_block(monkeypatch, n: int) -> None:
-    """Press Ctrl-C (raise KeyboardInterrupt) when the n-th timing block starts."""
-    calls = {"n": 0}
-    original = CellTimer.block
-
-    def block(self):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(CellTimer, "block", block)
-
-
-def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
-    ctrl_c_at_block(monkeypatch, 12)
+def test_an_interrupted_sweep_keeps_its_results(ctrl_c_at_block):
+    ctrl_c_at_block(12)
     sweep = Sweep(tiny_spec(seq_lens=[16, 32, 64], min_time=0.02))
     records = sweep.run()
     assert sweep.interrupted
@@ -176,8 +162,8 @@ def test_an_interrupted_sweep_keeps_its_results(monkeypatch):
     assert len(records) < sweep.total_cells  # it stopped early
 
 
-def test_interrupted_cli_writes_csv_and_exits_130(cli, monkeypatch, tmp_path):
-    ctrl_c_at_block(monkeypatch, 10)
+def test_interrupted_cli_writes_csv_and_exits_130(cli, ctrl_c_at_block, tmp_path):
+    ctrl_c_at_block(10)
     path = tmp_path / "r.csv"
     result = cli("bench", "--seq-lens", "16,32,64", "--heads", "2", "--head-dim", "8",
                  "--min-time", "0.02", "--max-time", "0.05", "--csv", str(path))

@@ -170,22 +170,8 @@ def test_atomic_file_keeps_the_old_file_until_commit(tmp_path):
     assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.csv"]
 
 
-def _ctrl_c_at_block(monkeypatch, n: int) -> None:
-    from tfcli.bench.timer import CellTimer
-
-    calls, original = {"n": 0}, CellTimer.block
-
-    def block(self):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(CellTimer, "block", block)
-
-
-def test_interrupted_bench_leaves_an_existing_csv_as_it_was(cli, monkeypatch, tmp_path):
-    _ctrl_c_at_block(monkeypatch, 6)
+def test_interrupted_bench_leaves_an_existing_csv_as_it_was(cli, ctrl_c_at_block, tmp_path):
+    ctrl_c_at_block(6)
     path = tmp_path / "r.csv"
     path.write_bytes(b"precious\n")
     result = cli("bench", "--seq-lens", "16,32,64", "--heads", "2", "--head-dim", "8",
