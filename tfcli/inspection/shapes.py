@@ -72,7 +72,7 @@ def _details(ops: list[Op]) -> list[Detail]:
         if op.kind == "scores":
             out.append(Detail("scores Q·Kᵀ/√d_k", op.shape))
         elif op.kind == "mask":
-            out.append(Detail("mask", op.shape, "broadcast onto the scores"))
+            out.append(Detail("mask", op.shape, f"{op.note}, broadcast onto them"))
         elif op.kind == "softmax":
             out.append(Detail("weights softmax", op.shape))
         elif op.kind == "weights·V":
