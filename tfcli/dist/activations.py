@@ -92,7 +92,7 @@ def _in_flight(par: Parallel, stage: int, m: int) -> int:
     return min(par.pp - stage, m)  # 1F1B: stage i starts backward after P - i forwards
 
 
-def _kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local: int,
+def kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local: int,
                     checkpointing: str, e: int) -> tuple[int, str]:
     t, d = par.tp, cfg.d_model
     sp = par.sp and t > 1
@@ -120,7 +120,7 @@ def _kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local
 def activation_lines(cfg: Config, par: Parallel, st: StageParams, rep: Replay, batch: int,
                       s_local: int, m: int, checkpointing: str, e: int) -> list[Line]:
     flight = _in_flight(par, st.stage, m)
-    kept, how = _kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
+    kept, how = kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
     out = [Line("activations: layers", st.layers * flight * kept,
                 f"{st.layers} layers × {flight} micro-batch(es) in flight × {kept:,} B: {how}",
                 "activations")]
@@ -141,7 +141,7 @@ def cross_check(cfg: Config, par: Parallel, st: StageParams, rep: Replay, batch:
                  s_local: int, m: int, checkpointing: str, e: int) -> list[Line]:
     per, row = korthikanti_layer(s_local, batch, cfg.d_model, cfg.n_heads, par.tp,
                                  par.sp, checkpointing)
-    kept, _ = _kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
+    kept, _ = kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
     flight = _in_flight(par, st.stage, m)
     return [
         Line("per layer: replay", kept, f"fake-tensor replay, {e} B activations", "activations"),

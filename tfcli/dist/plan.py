@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tfcli.dist.activations import activation_lines, cross_check, replay_share
+from tfcli.dist.activations import (activation_lines, cross_check, kept_per_layer,
+                                    replay_share)
 from tfcli.dist.layout import (Line, Parallel, StageParams, parse_parallel,  # noqa: F401
                                stage_params)
 from tfcli.errors import TfcliError
@@ -77,6 +78,59 @@ def model_state_lines(psi: int, n: int, zero: int, sb: StateBytes) -> list[Line]
             share(sb.grads, zero >= 2, "gradients"),
             share(sb.optimizer, zero >= 1, "optimizer state")]
 
+# --- when the peak happens ------------------------------------------------------------------
+#
+# The lines are everything a rank holds at some moment of the step; they are not all alive at
+# once. With zero_grad(set_to_none=True), PyTorch's default, backward trades activations for
+# gradients layer by layer, so without FSDP a step's memory peaks where backward starts (every
+# activation alive, no gradient yet) or where it ends (every gradient alive, one layer's
+# activations left). FSDP adds a moment inside backward: one layer unit's unsharded gradients
+# being computed while the previous unit's reduce-scatter and the next unit's all-gather are in
+# flight. The model takes the largest of these moments.
+_AT_START = {"all-gather buffer", "activations: layers"}
+_AT_END = {"gradients", "reduce-scatter buffer"}
+
+
+@dataclass(frozen=True)
+class Peak:
+    bytes: int
+    moment: str  # "backward start" | "inside backward (FSDP)" | "backward end"
+    moments: dict  # every moment modelled: bytes
+    how: str
+
+
+def step_peak(lines: list[Line], per_layer: int, pipelined: bool,
+              unit_grads: int = 0, unit_shard: int = 0) -> Peak:
+    """The moments above over ``lines``. ``per_layer`` is one layer's activations (what the end
+    of backward has left; what the FSDP moment has already freed); ``unit_grads`` the unsharded
+    gradients of the largest FSDP layer unit (0 without FSDP) and ``unit_shard`` its sharded
+    gradients. Under pipelining micro-batches accumulate gradients while others still hold
+    activations: gradients count at every moment."""
+    start = end = 0
+    bytes_of = {line.name: line.bytes for line in lines}
+    for line in lines:
+        at_start = line.name not in _AT_END or (pipelined and line.name == "gradients")
+        start += line.bytes if at_start else 0
+        end += line.bytes if line.name not in _AT_START else 0
+    layers = bytes_of.get("activations: layers", 0)
+    end += min(per_layer, layers)
+    moments = {"backward start": start, "backward end": end}
+    if unit_grads:
+        moments["inside backward (FSDP)"] = (start - min(per_layer, layers) + unit_grads
+                                             + bytes_of.get("reduce-scatter buffer", 0)
+                                             + (0 if pipelined else unit_shard))
+    moment = max(moments, key=moments.__getitem__)
+    how = ("the largest of these moments of a step with zero_grad(set_to_none=True): backward "
+           "start (every line but the gradients" + ("" if pipelined else " and the "
+                                                    "reduce-scatter buffer")
+           + "); backward end (every line but the all-gather buffer, one layer's activations "
+           "left)" + ("; inside backward, FSDP (backward start less one layer's activations, "
+                      "plus one layer unit's unsharded and sharded gradients and the "
+                      "reduce-scatter buffer)" if unit_grads else "")
+           + ("; 1F1B micro-batches keep accumulating gradients" if pipelined else ""))
+    return Peak(moments[moment], moment, moments, how)
+
+
 @dataclass
 class Plan:
     parallel: Parallel
@@ -85,14 +139,23 @@ class Plan:
     cross_check: list[Line]  # Korthikanti et al. per layer and for the stage, 16 bits
     stage_totals: list[int]
     conditions: dict = field(default_factory=dict)
+    peak: Peak | None = None  # when activations are known
 
     @property
     def total(self) -> int:
+        """The sum of the lines: what the rank holds if everything were alive at once."""
         return sum(line.bytes for line in self.lines)
+
+    @property
+    def need(self) -> int:
+        """What must fit: the peak where it is modelled, else the sum of the lines."""
+        return self.peak.bytes if self.peak else self.total
 
     def to_dict(self) -> dict:
         return {"parallel": self.parallel.__dict__ | {"world_size": self.parallel.world},
-                "stage": self.stage, "total_bytes": self.total, "stage_totals": self.stage_totals,
+                "stage": self.stage, "total_bytes": self.total,
+                "peak": None if self.peak is None else self.peak.__dict__,
+                "stage_totals": self.stage_totals,
                 "lines": [line.__dict__ for line in self.lines],
                 "cross_check": [line.__dict__ for line in self.cross_check],
                 "conditions": self.conditions}
@@ -139,7 +202,15 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
             lines += activation_lines(cfg, par, st, rep, batch, s_local, m, checkpointing, e)
         results.append(lines)
     totals = [sum(line.bytes for line in lines) for lines in results]
-    worst = max(range(len(totals)), key=totals.__getitem__)
+    peaks = None
+    if rep is not None:
+        kept, _ = kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
+        peaks = [step_peak(lines, kept, par.pp > 1,
+                           st.largest_layer * sb.grads if par.zero == 3 else 0,
+                           math.ceil(st.largest_layer * sb.grads / n) if par.zero == 3 else 0)
+                 for lines, st in zip(results, stages)]
+    need = [p.bytes for p in peaks] if peaks else totals
+    worst = max(range(len(need)), key=need.__getitem__)
     cross = []
     if rep is not None:
         cross = cross_check(cfg, par, stages[worst], rep, batch, s_local, m, checkpointing, e)
@@ -148,7 +219,8 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
                   "mixed_precision": mixed, "convention": convention, "state_bytes": sb.how,
                   "sharded_over": n, "attention_kernel": kernel,
                   "activations": rep.how if rep else None}
-    return Plan(par, worst, results[worst], cross, totals, conditions)
+    return Plan(par, worst, results[worst], cross, totals, conditions,
+                peaks[worst] if peaks else None)
 
 
 def _split_text(par: Parallel, st: StageParams) -> str:

@@ -36,28 +36,31 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
 
     found = None
     if fit_what == "batch":
-        found = fit(lambda b: at(b, seq_len).total, capacity, 1, 1 << 16)
+        found = fit(lambda b: at(b, seq_len).need, capacity, 1, 1 << 16)
         batch = found or batch
     elif fit_what == "seq-len":
         # lengths each context-parallel rank can split evenly, in steps of 64 where the range
         # allows (what people train at; a dozen replays instead of two dozen)
         step = par.cp * (64 if limit >= 256 * par.cp else 1)
-        best = fit(lambda k: at(batch, k * step).total, capacity, 1, limit // step)
+        best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
         found = best * step if best else None
         seq_len = found or seq_len
     if seq_len is not None and seq_len > limit:
-        raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
-                         f"raise it with --set max_seq_len={seq_len}")
+        raise TfcliError(f"--seq-len {seq_len}: the per-rank plan goes up to {limit:,} for a "
+                         f"model without positions" if cfg.positional == "none" else
+                         f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
+                         f"raise it with --set max_seq_len={seq_len}")  # params: seq_len <= 2^31-1
     result = at(batch, seq_len)
     data = result.to_dict()
     data["world_size"] = par.world
     if capacity is not None:
         data["device"] = {"name": device, "bytes": capacity,
-                          "headroom_bytes": capacity - result.total,
-                          "fits": result.total <= capacity}
+                          "headroom_bytes": capacity - result.need,
+                          "compared": "peak" if result.peak else "total",
+                          "fits": result.need <= capacity}
     if fit_what is not None:
         data["fit"] = {"what": fit_what, "largest": found,
-                       "searched": "the replayed per-rank total, assumed to grow with "
+                       "searched": "the per-rank peak of a step, assumed to grow with "
                                    f"{fit_what}: extrapolated, then galloping and bisection"
                                    + (f", lengths in steps of {step}" if fit_what == "seq-len"
                                       else "")}
@@ -78,7 +81,13 @@ def render(data: dict, console) -> None:
         table.add_column(name, justify=justify, overflow="fold")
     for line in data["lines"]:
         table.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
-    table.add_row("total", human_bytes(data["total_bytes"]), "the sum of the lines above")
+    table.add_row("sum", human_bytes(data["total_bytes"]),
+                  "the sum of the lines above: everything alive at once, an upper bound")
+    if data["peak"]:
+        peak = data["peak"]
+        moments = ", ".join(f"{name} {human_bytes(b)}" for name, b in peak["moments"].items())
+        table.add_row("peak", human_bytes(peak["bytes"]),
+                      f"the largest moment of the step modelled (below): {moments}")
     console.print(table)
     if data["cross_check"]:
         check = Table(title="activations cross-check (Korthikanti et al. 2022, Table 2)",
@@ -90,6 +99,8 @@ def render(data: dict, console) -> None:
         console.print(check)
     notes = [f"model states: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
              f"data-parallel rank(s)"]
+    if data["peak"]:
+        notes.append(f"peak: {data['peak']['how']}")
     if cond["activations"]:
         notes.append(f"activations: {cond['activations']}, checkpointing "
                      f"{cond['checkpointing']}, {cond['micro_batches']} micro-batch(es), "
@@ -105,7 +116,7 @@ def render(data: dict, console) -> None:
         dev = data["device"]
         verdict = "fits" if dev["fits"] else "does NOT fit"
         notes.append(f"device {dev['name']}: headroom {human_bytes(dev['headroom_bytes'])} "
-                     f"({verdict})")
+                     f"below the {dev['compared']} ({verdict})")
     for note in notes:
         console.print(note)
 
