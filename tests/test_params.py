@@ -195,6 +195,49 @@ def test_bad_options(cli, args, message):
     assert result.stdout == "" and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "4"], "--batch-size sizes the activation lines, which need a length: add "
+                            "--seq-len L"),
+    (["--dim", "S=4"], "--dim sizes the activation lines"),
+    (["--freeze", "encoder.*", "--parallel", "dp=2"],
+     "--freeze is not modelled with --parallel: the per-rank plan gives every parameter"),
+    (["--freeze", "encoder.*", "--device-memory", "80GiB"],
+     "--freeze is not modelled with --device-memory"),
+    (["--parallel", "dp=2", "--depth", "1"], "--depth does nothing with --parallel"),
+    (["--parallel", "dp=2", "--build-on", "cpu"], "--build-on does nothing with --parallel"),
+    (["--inference", "--seq-len", "16", "--optimizer", "adam"],
+     "--optimizer applies to training memory; --inference counts"),
+    (["--inference", "--seq-len", "16", "--mixed-precision", "bf16"],
+     "--mixed-precision applies to training memory"),
+    (["--seq-len", str(2**31)], "--seq-len 2147483648: at most 2,147,483,647"),
+    (["--set", "positional=rope", "--parallel", "dp=2", "--seq-len", "100"],
+     "--seq-len 100 exceeds max_seq_len=64; raise it with --set max_seq_len=100"),
+    (["--set", "positional=none", "--parallel", "dp=2", "--seq-len", str(2**21)],
+     "the per-rank plan goes up to 1,048,576 for a model without positions"),
+])
+def test_combinations_that_would_do_nothing_are_refused(cli, args, message):
+    """Issue 11: an option given explicitly that this combination ignores is refused in one
+    line (a default left alone is not); a --set max_seq_len hint is one the config allows."""
+    result = cli("params", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1
+
+
+def test_the_max_seq_len_hint_works_when_followed(cli):
+    refused = cli("params", "--preset", "tiny", "--seq-len", "100", "--depth", "0")
+    assert "raise it with --set max_seq_len=100" in refused.stderr
+    assert cli("params", "--preset", "tiny", "--seq-len", "100", "--depth", "0", "--set",
+               "max_seq_len=100").exit_code == 0
+
+
+def test_batch_size_on_a_model_whose_inputs_have_no_batch_letter(cli):
+    result = cli("params", "--model", "examples/tutorial_transformer.py:build", "--input",
+                 "src=int64[2,L]", "--input", "tgt=int64[2,L]", "--seq-len", "8",
+                 "--batch-size", "3")
+    assert result.exit_code == 2 and "--batch-size 3: the inputs of" in result.stderr
+    assert "have no B dimension (they use L)" in result.stderr, result.stderr
+
+
 STEP_CASES = [  # encoder-decoder, decoder-only, encoder-only, autocast bf16
     ("tiny", {}, None),
     ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), None),

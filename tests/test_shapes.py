@@ -192,6 +192,37 @@ def test_bad_options(cli, args, message):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "gpt2-small", "--src-len", "9"],  # the default's value, but given
+     "--src-len 9: this decoder-only model has no source sequence; its length is --tgt-len"),
+    (["--preset", "bert-base", "--tgt-len", "5"],
+     "--tgt-len 5: this encoder-only model has no target sequence; its length is --src-len"),
+    (["--preset", "tiny", "--src-len", "5", "--dim", "S=4"],
+     "--src-len 5 and --dim S=4: both set S; give one"),
+    (["--model", "hf:examples/llama-tiny", "--tgt-len", "5"], "its one length L is --src-len"),
+    (["--model", "examples/tutorial_transformer.py:build", "--src-len", "5"],
+     "no --input names the dimensions of examples/tutorial_transformer.py:build's inputs"),
+    (["--model", "examples/tutorial_transformer.py:build", "--input", "src=int64[2,S]",
+      "--input", "tgt=int64[2,S]", "--batch-size", "3"],
+     "--batch-size 3: the inputs of examples/tutorial_transformer.py:build have no B dimension "
+     "(they use S)"),
+    (["--preset", "tiny", "--src-len", "99"],
+     "--src-len 99 exceeds max_seq_len=64; raise it with --set max_seq_len=99"),
+])
+def test_a_size_that_would_do_nothing_is_refused(cli, args, message):
+    """Issue 11: an option given explicitly that sizes nothing the model's inputs use is
+    refused in one line; left at its default it is not."""
+    result = cli("shapes", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1
+
+
+def test_sizes_the_model_uses_are_accepted(cli):
+    assert cli("shapes", "--preset", "gpt2-small", "--tgt-len", "5", "--depth", "1").exit_code == 0
+    assert cli("shapes", "--model", "hf:examples/llama-tiny", "--src-len", "5",
+               "--depth", "1").exit_code == 0
+
+
 def test_side_the_model_does_not_have(cli):
     result = cli("shapes", "--preset", "gpt2-small", "--src-lens", "3,3")
     assert result.exit_code == 2 and "has no source side" in result.stderr

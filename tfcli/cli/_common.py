@@ -17,7 +17,9 @@ from typer.core import TyperCommand, TyperGroup
 from tfcli.errors import TfcliError
 
 # typer >= 0.29 vendors click; its exception types are not re-exported at the top level.
+from typer._click.core import ParameterSource
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+from typer._click.globals import get_current_context
 
 
 def _preset_names() -> list[str]:
@@ -111,7 +113,9 @@ def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | Non
 
     out = {**subject.default_sizes, "B": batch, "S": src_len, "T": tgt_len,
            "L": length if length is not None else src_len}
-    options = {"B": "--batch-size", "S": "--src-len", "T": "--tgt-len", "L": "--seq-len"}
+    options = ({"B": "--batch-size", "S": "--seq-len", "T": "--seq-len", "L": "--seq-len"}
+               if length is not None else
+               {"B": "--batch-size", "S": "--src-len", "T": "--tgt-len", "L": "--src-len"})
     for letter, option in options.items():
         if out[letter] > MAX_SIZE:  # beyond it, index arithmetic overflows even on meta
             raise TfcliError(f"{option} {out[letter]}: at most {MAX_SIZE:,}")
@@ -119,6 +123,62 @@ def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | Non
         name, value = parse_dim(text)
         out[name] = value
     return out
+
+
+def given(name: str) -> bool:
+    """Whether the option with parameter ``name`` was typed on the command line: a default
+    cannot be told from the same value given. Outside a command (a direct call) nothing was."""
+    ctx = get_current_context(silent=True)
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT,
+                      ParameterSource.PROMPT)
+
+
+# The letters each size option sets; L (an input's one length) follows --src-len.
+SIZE_LETTERS = {"--batch-size": ("B",), "--src-len": ("S", "L"), "--tgt-len": ("T",)}
+
+
+def refuse_unused_sizes(subject, options: dict[str, int], dims: list[str] | None) -> None:
+    """Refuse a size option that was given (``options``: option -> value) but sets no letter
+    the model's inputs use, or only letters --dim sets instead."""
+    from tfcli.subjects.base import parse_dim
+
+    by_dim = {parse_dim(text)[0]: text for text in dims or []}
+    used = subject.dims_used()
+    for option, value in options.items():
+        letters = [d for d in SIZE_LETTERS[option] if d in used]
+        if not letters:
+            raise TfcliError(f"{option} {value}: {_no_such_dimension(subject, option, used)}")
+        if all(d in by_dim for d in letters):
+            raise TfcliError(f"{option} {value} and --dim {by_dim[letters[0]]}: both set "
+                             f"{'/'.join(letters)}; give one")
+
+
+def _no_such_dimension(subject, option: str, used: list[str]) -> str:
+    cfg = getattr(subject, "cfg", None)
+    if cfg is not None:  # tfcli's own: S is the encoder's length, T the decoder's
+        side, other = ("source", "--tgt-len") if option == "--src-len" else ("target", "--src-len")
+        return f"this {cfg.kind} model has no {side} sequence; its length is {other}"
+    letters = " or ".join(SIZE_LETTERS[option])
+    if subject.kind == "hf" and used == ["B", "L"]:
+        return (f"{subject.label} is decoder-only: its one length L is --src-len "
+                f"(or --dim L=N)")
+    if not used and not getattr(subject, "input_specs", None):
+        return (f"no --input names the dimensions of {subject.label}'s inputs, so it sizes "
+                f"nothing (example inputs its callable returns keep their sizes); describe them, "
+                f"e.g. --input NAME=DTYPE[B,{SIZE_LETTERS[option][0].replace('B', 'S')}]")
+    return (f"the inputs of {subject.label} have no {letters} dimension (they use "
+            f"{', '.join(used) or 'literal sizes only'})")
+
+
+def max_seq_len_hint(length: int) -> str:
+    """How to make room for ``length`` positions: a --set that is allowed, or why none is."""
+    from tfcli.model.config import LIMITS
+
+    bound = LIMITS["max_seq_len"]
+    if length <= bound:
+        return f"raise it with --set max_seq_len={length}"
+    return f"that is beyond what max_seq_len allows (at most {bound:,})"
 
 
 def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int]:

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_build, print_json,
+from tfcli.cli._common import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
+                               MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
+                               guard_build, max_seq_len_hint, print_json, refuse_unused_sizes,
                                resolve_subject, sizes, stdout)
 
 
@@ -145,10 +146,12 @@ def params(
     if inference and cfg is None:
         raise TfcliError("--inference needs tfcli's own configuration (its KV cache comes from "
                          "n_decoder_layers, kv heads and d_k); use --preset/--config/--set")
+    if seq_len is not None and seq_len > MAX_SIZE:  # so a --set max_seq_len hint is allowed
+        raise TfcliError(f"--seq-len {seq_len}: at most {MAX_SIZE:,}")
     if cfg is not None and seq_len is not None and seq_len > cfg.max_seq_len \
             and cfg.positional not in ("none", "rope"):
         raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
-                         f"raise it with --set max_seq_len={seq_len}")
+                         f"{max_seq_len_hint(seq_len)}")
     if seq_len is not None and dtype is DType.int8 and not mixed:
         raise TfcliError("--seq-len with --dtype int8: activations need a floating dtype "
                          "(int8 is counted for weights only)")
@@ -160,7 +163,13 @@ def params(
         raise TfcliError(f"--attention-kernel {kernel} on --device cpu with dropout="
                          f"{cfg.dropout}: the CPU flash kernel takes no dropout (SDPA falls "
                          f"back to math); size a GPU run with --device cuda")
-    if any(v is not None for v in (parallel, checkpointing, micro_batches, device_memory, fit_)):
+    per_rank = next((o for o, v in (("--parallel", parallel), ("--checkpointing", checkpointing),
+                                    ("--micro-batches", micro_batches),
+                                    ("--device-memory", device_memory), ("--fit", fit_))
+                     if v is not None), None)
+    _refuse_what_does_nothing(subject, per_rank, batch_size, seq_len, fit_, inference, dim,
+                              freeze)
+    if per_rank is not None:
         from tfcli.dist.report import params_parallel  # issue 14: memory per rank
 
         return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
@@ -219,3 +228,38 @@ def params(
     render(report, rows, memory, how, stdout(),
            title=f"parameters: {cfg.kind}, d_model {cfg.d_model}" if cfg is not None
            else f"parameters: {subject.label}")
+
+
+def _refuse_what_does_nothing(subject, per_rank: str | None, batch_size: int,
+                              seq_len: int | None, fit_, inference: bool, dim: list[str] | None,
+                              freeze: list[str] | None) -> None:
+    """Refuse an option the user gave that this combination would silently ignore."""
+    from tfcli.errors import TfcliError
+
+    if per_rank is not None:
+        if freeze:
+            raise TfcliError(f"--freeze is not modelled with {per_rank}: the per-rank plan "
+                             f"gives every parameter gradients and optimizer state; drop "
+                             f"--freeze, or drop {per_rank} to size one device with frozen "
+                             f"parameters")
+        ignored = [o for o, name in (("--build-on", "build_on"), ("--max-memory", "max_memory"),
+                                     ("--keep-grads", "keep_grads"), ("--dim", "dim"),
+                                     ("--depth", "depth"), ("--expand", "expand"))
+                   if given(name)]
+        if ignored:
+            raise TfcliError(f"{ignored[0]} does nothing with {per_rank}: the per-rank plan is "
+                             f"computed from tfcli's configuration, not a built model's table")
+    sized = seq_len is not None or fit_ is Fit.seq_len
+    for option, name in (("--batch-size", "batch_size"), ("--dim", "dim")):
+        if given(name) and not sized:
+            raise TfcliError(f"{option} sizes the activation lines, which need a length: add "
+                             f"--seq-len L")
+    if seq_len is not None and given("batch_size"):
+        refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
+    if inference:
+        ignored = [o for o, name in (("--optimizer", "optimizer"),
+                                     ("--mixed-precision", "mixed_precision"),
+                                     ("--keep-grads", "keep_grads")) if given(name)]
+        if ignored:
+            raise TfcliError(f"{ignored[0]} applies to training memory; --inference counts "
+                             f"weights, KV cache and working memory only")

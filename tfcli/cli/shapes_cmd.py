@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_run, int_list,
-                               print_json, resolve_subject, sizes, stdout)
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
+                               int_list, max_seq_len_hint, print_json, refuse_unused_sizes,
+                               resolve_subject, sizes, stdout)
 from tfcli.errors import TfcliError
 
 
@@ -59,14 +60,17 @@ def shapes(
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     _check_device(device.value)
+    refuse_unused_sizes(subject, {option: value for option, value, name in (
+        ("--batch-size", batch_size, "batch_size"), ("--src-len", src_len, "src_len"),
+        ("--tgt-len", tgt_len, "tgt_len")) if given(name)}, dim)
     dims = sizes(subject, batch_size, src_len, tgt_len, dim)
     cfg = getattr(subject, "cfg", None)
     lengths = {"src": src_len, "tgt": tgt_len}
     if cfg is not None:
         for side, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)):
             if present and cfg.positional != "none" and lengths[side] > cfg.max_seq_len:
-                raise TfcliError(f"--{side}-len {lengths[side]} exceeds "
-                                 f"max_seq_len={cfg.max_seq_len}")
+                raise TfcliError(f"--{side}-len {lengths[side]} exceeds max_seq_len="
+                                 f"{cfg.max_seq_len}; {max_seq_len_hint(lengths[side])}")
     elif src_lens is not None or tgt_lens is not None:
         raise TfcliError("--src-lens/--tgt-lens pad tfcli's own model; for --model, see "
                          "`tfcli masks --lengths`")
