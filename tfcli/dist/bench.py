@@ -89,7 +89,7 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
     import torch
     import torch.distributed as dist
 
-    from tfcli.dist.workers import _full, prepare
+    from tfcli.dist.workers import parity, prepare
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -99,9 +99,7 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
                                                  seed, device)
         loss = subject.loss(inputs(runner))
         loss.backward()
-        grads = {n: _full(p.grad).detach().cpu().clone() for n, p in model.named_parameters()
-                 if p.grad is not None}
-        parity_loss = loss.detach().cpu()
+        held = parity(rank, model, loss, cfg_dict, batch, length, seed, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ddp_bytes: dict[str, int] = {}
         ddp_calls: dict[str, int] = {}
@@ -147,7 +145,7 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        out.append({"strategy": strategy, "seq_len": length, "loss": parity_loss, "grads": grads, "times": times,
+        out.append({"strategy": strategy, "seq_len": length, **held, "times": times,
                     "peak_bytes": peak, "comm_counts": counts, "comm_bytes": volume})
     return out
 
@@ -164,27 +162,25 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
     ranks = run_ranks(bench_worker, nproc,
                       (strategies, cfg_dict, batch, lengths, steps, seed, device),
                       backend=backend, timeout=timeout)
-    return records_of(ranks, cfg_dict, backend, device, batch, lengths, seed, tolerance)
+    return records_of(ranks, backend, device, batch, tolerance)
 
 
-def records_of(ranks: list[list[dict]], cfg_dict: dict, backend: str, device: str, batch: int,
-               lengths: list[int], seed: int, tolerance: float = 1e-4) -> list[dict[str, Any]]:
-    """Each rank's cells against the single-process step: one record per cell and rank."""
-    from tfcli.dist.workers import reference_step
-
+def records_of(ranks: list[list[dict]], backend: str, device: str, batch: int,
+               tolerance: float = 1e-4) -> list[dict[str, Any]]:
+    """Each rank's cells, held to the single-process step (each rank compared its own
+    gradients with it, :func:`tfcli.dist.workers.parity`): one record per cell and rank."""
     nproc = len(ranks)
     records = []
-    references = {length: reference_step(cfg_dict, batch, length, seed) for length in lengths}
     for i, first in enumerate(ranks[0]):
         strategy, length = first["strategy"], first["seq_len"]
-        ref = references[length]
         cells = [r[i] for r in ranks]
-        losses = [c["loss"].item() for c in cells]
+        losses = [c["loss"] for c in cells]
+        # data parallelism: each rank's loss is its rows' mean; tensor parallelism: the batch's
         loss = sum(losses) / nproc if strategy != "tp" else losses[0]
-        grad_err = max((c["grads"][n] - g).abs().max().item()
-                       for c in cells for n, g in ref["grads"].items())
-        loss_err = abs(loss - ref["loss"].item()) / max(abs(ref["loss"].item()), 1e-12)
-        same = all(sorted(c["grads"]) == sorted(ref["grads"]) for c in cells)
+        ref_loss = first["reference_loss"]
+        grad_err = max(c["grad_max_abs_err"] for c in cells)
+        loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
+        same = all(c["same_parameters_have_grads"] for c in cells)
         parity = same and loss_err <= tolerance and grad_err <= tolerance
         for rank, cell in enumerate(cells):
             times = sorted(cell["times"])
@@ -245,41 +241,99 @@ def render(records: list[dict], console) -> None:
         console.print(first["note"])
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_world() -> int | None:
+    """The world size when torchrun (or any launcher that sets its environment variables)
+    started this process as one rank; None when tfcli is to start its own ranks."""
+    if not all(os.environ.get(name) for name in TORCHRUN_VARS):
+        return None
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise TfcliError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} (set by the launcher): "
+                         f"expected a whole number of processes") from None
+
+
 def _under_torchrun(cfg_dict: dict, strategy: str, backend: str, batch: int,
-                    lengths: list[int], seed: int, steps: int = 5) -> list[dict] | None:
+                    lengths: list[int], seed: int, steps: int = 5,
+                    timeout: float = 300.0) -> list[dict] | None:
     """This process is one of torchrun's ranks: run its cells, gather them on rank 0, which
-    compares them with a single-process step and returns the records (others return None)."""
+    returns the records (the others return None)."""
+    import datetime
+
     import torch.distributed as dist
 
     device = check_backend(backend, int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         cells = bench_worker(rank, world, [strategy], cfg_dict, batch, lengths, steps, seed,
                              device)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(cells, gathered, dst=0)
+        ranks = _gather_json(cells, device)
     finally:
         dist.destroy_process_group()
-    if rank != 0:
-        return None
-    return records_of(gathered, cfg_dict, backend, device, batch, lengths, seed)
+    return records_of(ranks, backend, device, batch) if rank == 0 else None
+
+
+def _gather_json(obj, device: str) -> list:
+    """Every rank's ``obj``, by rank, sent as JSON bytes in a tensor (``gather_object`` would
+    pickle)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    on = torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=on)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=on) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=on))
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=on)
+    padded[:data.numel()] = data
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded)
+    return [json.loads(bytes(t[:int(n)].tolist())) for t, n in zip(out, sizes)]
 
 
 def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
-              lengths: list[int], batch: int, seed: int, json_out: bool) -> None:
-    """``tfcli bench --nproc N --strategy S [--backend B]``: validate, run, print."""
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
-    if torchrun:  # torchrun started this process as one rank: run it here, not spawn
-        world = int(os.environ["WORLD_SIZE"])
+              lengths: list[int], batch: int, seed: int, json_out: bool,
+              csv_path=None) -> None:
+    """``tfcli bench --nproc N --strategy S [--backend B]``, or one of torchrun's ranks:
+    validate, run, and (rank 0 only, under torchrun) print and write."""
+    world = torchrun_world()
+    if world is not None and os.environ["RANK"] != "0":
+        try:  # every rank checks; rank 0 alone says why (torchrun's report follows anyway)
+            return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed,
+                              json_out, csv_path, world)
+        except TfcliError as error:
+            import signal
+            import time
+
+            # torchrun ends every rank once one exits non-zero: give rank 0 time to say why,
+            # and end quietly when torchrun ends this one
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(2)
+            raise SystemExit(error.exit_code) from None
+    return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
+                      csv_path, world)
+
+
+def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
+               lengths: list[int], batch: int, seed: int, json_out: bool, csv_path,
+               world: int | None) -> None:
+    if world is not None:  # torchrun started this process as one rank: run it here, not spawn
         if nproc is not None and nproc != world:
-            raise TfcliError(f"--nproc {nproc} under torchrun with {world} processes: leave "
+            raise TfcliError(f"--nproc {nproc} under torchrun with WORLD_SIZE={world}: leave "
                              f"--nproc out, or make them equal")
         nproc = world
     if nproc is None:
         raise TfcliError("--strategy and --backend apply to --nproc N (ranks on this machine)")
     if what != "model":
-        raise TfcliError("--nproc runs training steps of the model: add --what model")
+        raise TfcliError("--nproc runs training steps of the model: add --what model"
+                         if world is None else f"under torchrun (WORLD_SIZE={world}), bench "
+                         f"runs training steps of the model on each rank: add --what model")
     if cfg is None:
         raise TfcliError("--nproc needs tfcli's own configuration (--preset/--config/--set): "
                          "its layers are what DDP, FSDP and tensor parallelism are applied to")
@@ -288,18 +342,21 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     cfg_dict = {**cfg.to_dict(), "dropout": 0.0}
     check_backend(backend or "gloo", nproc)
     _check(cfg_dict, nproc, strategy, batch)
-    if torchrun:
+    if world is not None:
         records = _under_torchrun(cfg_dict, strategy, backend or "gloo", batch, lengths, seed)
         if records is None:
-            return  # not rank 0: rank 0 prints for everyone
+            return  # not rank 0: rank 0 prints and writes for everyone
     else:
         records = run(cfg_dict, nproc, [strategy], backend or "gloo", batch, lengths, seed=seed)
+    if csv_path is not None:
+        _write_csv(records, csv_path)
     if json_out:
         from tfcli.cli._common import print_json
 
         print_json({"records": records, "conditions": {
             "dropout": "set to 0 so that the ranks and the single-process step agree",
-            "timing": "fixed number of steps between barriers on every rank"}})
+            "timing": "fixed number of steps between barriers on every rank",
+            "launch": "torchrun" if world is not None else "spawned by tfcli"}})
     else:
         from tfcli.cli._common import stdout
 
@@ -307,3 +364,23 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     if not all(r["parity"] for r in records):
         raise TfcliError("parity failed: the ranks' loss or gradients differ from a "
                          "single-process step (see the table)", exit_code=1)
+
+
+def _write_csv(records: list[dict], path) -> None:
+    """One row per record; the per-collective counts and bytes as JSON in their cells."""
+    import csv
+    import json
+
+    from tfcli.cli._outputs import AtomicFile
+
+    out = AtomicFile(path, newline="")
+    try:
+        writer = csv.DictWriter(out.text(), fieldnames=list(records[0]))
+        writer.writeheader()
+        for r in records:
+            writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+                             for k, v in r.items()})
+        out.commit()
+    except OSError as error:
+        out.discard()
+        raise TfcliError(f"--csv {str(path)!r}: {error.strerror or error}") from None

@@ -1,16 +1,26 @@
 """Start N torch.distributed ranks on this machine and collect what each returns.
 
-Processes are started with ``spawn`` (a forked child would inherit the parent's torch threads
-and locks), rendezvous on 127.0.0.1 at a free port, and are watched by the parent: the first rank
-that fails or the deadline ends every rank, and the error names the rank. Nothing outlives
-:func:`run_ranks`.
+Each rank is a fresh interpreter (``python -m tfcli.dist.launch SPEC``; nothing inherited from a
+fork, no torch threads or locks), rendezvous on 127.0.0.1 at a free port, and is watched by the
+parent: the first rank that fails, or the deadline, ends every rank, and the error names the
+rank. Nothing outlives :func:`run_ranks`: a rank whose parent is gone (killed, so that its
+``finally`` never ran) ends itself.
+
+Nothing is pickled either way. The parent hands a rank its function by import name and its
+arguments as JSON; the rank returns its result as JSON (records: numbers, strings, lists,
+dicts), written into the parent's private temporary directory. A result JSON cannot hold is
+that rank's error.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -20,10 +30,11 @@ from tfcli.errors import TfcliError
 
 
 class RankError(TfcliError):
-    """A rank failed or did not finish in time; ``rank`` names it."""
+    """A rank failed or did not finish in time; ``rank`` names it. Exit code 1: a run that
+    failed, not bad input."""
 
     def __init__(self, rank: int, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message, exit_code=1)
         self.rank = rank
 
 
@@ -33,93 +44,115 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, backend: str, timeout: float,
-           args: tuple, out: str) -> None:
-    """One rank: join the process group, run ``fn(rank, world, *args)``, save its result."""
+def _entry(spec: dict) -> int:
+    """One rank: join the process group, run the function, write its result as JSON."""
     import datetime
+    import importlib
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    rank, world, out = spec["rank"], spec["world"], Path(spec["out"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _end_with_parent(spec["parent"])
     # The traceback is written the moment the rank fails, before the process group is torn
     # down: tearing it down makes the peers fail too, and the first file names the cause.
-    err = Path(out) / f"rank{rank}.err"
+    err = out / f"rank{rank}.err"
     try:
         import torch
         import torch.distributed as dist
 
+        module, name = spec["fn"].split(":")
+        fn = getattr(importlib.import_module(module), name)
         torch.set_num_threads(1)  # N ranks share the machine's cores
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(spec["backend"], rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=spec["timeout"]))
     except BaseException:
         err.write_text(traceback.format_exc())
-        raise SystemExit(1)
+        return 1
     try:
-        result = fn(rank, world, *args)
-        path = Path(out) / f"rank{rank}.pt"
-        torch.save(result, path.with_suffix(".tmp"))
+        result = fn(rank, world, *spec["args"])
+        path = out / f"rank{rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(result))
         path.with_suffix(".tmp").replace(path)
+        return 0
     except BaseException:
         err.write_text(traceback.format_exc())
-        raise SystemExit(1)
+        return 1
     finally:
         dist.destroy_process_group()
 
 
+def _end_with_parent(parent: int) -> None:
+    """Exit when the launching process is gone: a SIGKILL gives it no chance to end its ranks,
+    and a rank asleep or blocked in a collective would otherwise live on (an orphan)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tfcli-parent-watch", daemon=True).start()
+
+
 def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
               timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; their results, by rank.
-    ``fn`` must be importable by name (a module-level function)."""
-    import multiprocessing
-
-    import torch
-
-    ctx = multiprocessing.get_context("spawn")
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; their JSON results, by rank.
+    ``fn`` must be a module-level function (it is imported by name) and ``args`` JSON."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:
-        procs = [ctx.Process(target=_entry, name=f"tfcli-rank{rank}",
-                             args=(fn, rank, world, port, backend, timeout, args, out))
-                 for rank in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
+        specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
+                  "world": world, "port": port, "backend": backend, "timeout": timeout,
+                  "out": out, "parent": os.getpid()} for rank in range(world)]
+        texts = [json.dumps(s) for s in specs]  # a TypeError here: args JSON cannot hold
+        procs: list[subprocess.Popen] = []
         try:
-            while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs):
+            for text in texts:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tfcli.dist.launch", text]))
+            deadline = time.monotonic() + timeout
+            while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
+                if any(p.returncode not in (None, 0) for p in procs):
                     _raise_first_failure(procs, out)
                 if time.monotonic() > deadline:
-                    late = [r for r, p in enumerate(procs) if p.is_alive()]
+                    late = [r for r, p in enumerate(procs) if p.poll() is None]
                     raise RankError(late[0], f"rank(s) {', '.join(map(str, late))} of {world} "
                                              f"did not finish within {timeout:g} s")
                 time.sleep(0.05)
-            if any(p.exitcode != 0 for p in procs):
+            if any(p.returncode != 0 for p in procs):
                 _raise_first_failure(procs, out)
-            return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False)
-                    for r in range(world)]
+            return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
         finally:
             _end(procs)
 
 
-def _raise_first_failure(procs, out: str) -> None:
-    """Name the rank that failed first: the others usually fail after it, in a collective that
-    lost a peer. Ranks write their traceback as they fail; the earliest file is the cause."""
+def _raise_first_failure(procs: list[subprocess.Popen], out: str) -> None:
+    """Name the rank that failed first. A rank that died without a traceback (killed by a
+    signal, or exited from native code) is the cause: a rank that fails because a peer
+    vanished raises in the collective, and writes its traceback. Otherwise the earliest
+    traceback is the cause: the others fail after it, in a collective that lost a peer."""
     time.sleep(0.2)  # let a rank that is failing finish writing its traceback
     errors = sorted(Path(out).glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
-    if errors:
+    written = {int(f.stem[4:]) for f in errors}
+    silent = [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in written]
+    if silent:
+        rank = silent[0]
+        code = procs[rank].returncode
+        detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    else:
         rank = int(errors[0].stem[4:])
         detail = errors[0].read_text().strip().splitlines()[-1]
-    else:
-        rank = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
-        detail = f"exit code {procs[rank].exitcode}"
     raise RankError(rank, f"rank {rank} of {len(procs)} failed: {detail}")
 
 
-def _end(procs) -> None:
+def _end(procs: list[subprocess.Popen]) -> None:
     """Terminate every rank still running (SIGTERM, then SIGKILL) and reap them all."""
     for p in procs:
-        if p.is_alive():
+        if p.poll() is None:
             p.terminate()
     for p in procs:
-        p.join(5)
-        if p.is_alive():
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
             p.kill()
-            p.join(5)
+            p.wait(5)
+
+
+if __name__ == "__main__":
+    sys.exit(_entry(json.loads(sys.argv[1])))

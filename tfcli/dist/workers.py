@@ -1,6 +1,6 @@
 """What each rank runs: one training step of tfcli's model under DDP, FSDP2 or tensor
-parallelism, returning its loss and the full gradients, so that the parent can hold them to a
-single-process step on the same weights and batch (:func:`reference_step`).
+parallelism, whose loss and full gradients each rank holds to a single-process step on the same
+weights and batch (:func:`parity` against :func:`reference_step`).
 
 Data parallelism (DDP, FSDP) gives rank r rows r·B/N .. (r+1)·B/N of the batch; the mean of the
 ranks' losses is the full batch's loss and the averaged gradients are its gradients. Tensor
@@ -102,22 +102,35 @@ def prepare(rank: int, world: int, strategy: str, cfg_dict: dict, batch: int, se
     return model, runner, subject, inputs
 
 
-def parallel_step(rank: int, world: int, strategy: str, cfg_dict: dict, batch: int,
-                  seq_len: int, seed: int = 0) -> dict[str, Any]:
-    """One step on this rank under ``strategy``: its loss and the full gradients."""
-    model, runner, subject, inputs = prepare(rank, world, strategy, cfg_dict, batch, seq_len,
-                                             seed)
-    loss = subject.loss(inputs(runner))
-    loss.backward()
-    grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    return {"loss": loss.detach(), "grads": grads, "rank": rank}
+def parity(rank: int, model, loss, cfg_dict: dict, batch: int, seq_len: int, seed: int = 0,
+           device: str = "cpu") -> dict[str, Any]:
+    """Hold this rank's loss and full gradients (after ``loss.backward()``) to one process's
+    step on the same weights and batch. Rank 0 runs that step on the CPU and broadcasts its
+    gradients as one flat tensor in parameter order (and which parameters have one, and its
+    loss); every rank compares its own. Only numbers come back, so that results stay JSON."""
+    import torch
+    import torch.distributed as dist
 
+    params = list(model.named_parameters())  # the same names and (global) shapes on every rank
+    sizes = [p.numel() for _, p in params]
+    on = torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"
 
-def parallel_steps(rank: int, world: int, strategies: list[str], cfg_dict: dict, batch: int,
-                   seq_len: int, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """:func:`parallel_step` for each strategy in turn, in one process group (one start-up)."""
-    return {s: parallel_step(rank, world, s, cfg_dict, batch, seq_len, seed) for s in strategies}
+    def flat(grads: dict) -> torch.Tensor:  # [Σ numel + n params + 1]: grads, which have one
+        return torch.cat([grads[n].detach().flatten().float() if n in grads else
+                          torch.zeros(size) for (n, _), size in zip(params, sizes)]
+                         + [torch.tensor([float(n in grads) for n, _ in params])])
+
+    theirs = torch.empty(sum(sizes) + len(params) + 1, device=on)
+    if rank == 0:
+        ref = reference_step(cfg_dict, batch, seq_len, seed)
+        theirs.copy_(torch.cat([flat(ref["grads"]), ref["loss"].detach().float().view(1)]))
+    dist.broadcast(theirs, 0)
+    mine = flat({n: _full(p.grad).cpu() for n, p in params if p.grad is not None}).to(on)
+    grads = slice(0, sum(sizes))
+    has = slice(sum(sizes), sum(sizes) + len(params))
+    return {"loss": loss.item(), "reference_loss": theirs[-1].item(),
+            "grad_max_abs_err": (mine[grads] - theirs[grads]).abs().max().item(),
+            "same_parameters_have_grads": bool(torch.equal(mine[has], theirs[has]))}
 
 
 def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False) -> int:
