@@ -141,10 +141,12 @@ def bench(
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     if max(lengths) > BIG:
         raise TfcliError(f"--seq-lens: {max(lengths)} is beyond {BIG:,}")
-    if nproc is not None or strategy is not None or backend is not None:
-        from tfcli.dist.bench import bench_cli  # issue 14: ranks on this machine
+    from tfcli.dist.bench import bench_cli, torchrun_world  # issue 14: torch.distributed ranks
 
-        return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out)
+    if nproc is not None or strategy is not None or backend is not None or \
+            torchrun_world() is not None:
+        return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out,
+                         csv_path)
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
     chosen = _choices(kernels, "--kernels", allowed) if kernels is not None else allowed
