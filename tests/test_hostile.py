@@ -444,6 +444,76 @@ def test_signal_mid_sweep_keeps_results_and_the_existing_csv(tmp_path, sig, code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
 
 
+# A sweep whose cleanup (after the first signal: fits, table, outputs) waits, so that a second
+# signal surely arrives during it; it says when it starts.
+SLOW_CLEANUP = """
+import sys, time
+import tfcli.bench.sweep as sweep
+from tfcli.cli import main
+
+fits = sweep.fits
+
+def slow_fits(records):
+    sys.stderr.write("cleaning up\\n")
+    sys.stderr.flush()
+    time.sleep(60)
+    return fits(records)
+
+sweep.fits = slow_fits
+main()
+"""
+SWEEP = ["bench", "--seq-lens", "16,32,64,128,256,512,1024", "--heads", "2", "--head-dim", "8",
+         "--min-time", "1", "--csv", "out.csv"]
+
+
+def _sweep(where: Path, script: str | None = None) -> subprocess.Popen:
+    (where / "out.csv").write_bytes(PRECIOUS["out.csv"])
+    command = [sys.executable, "-c", script, *SWEEP] if script else \
+        [sys.executable, "-m", "tfcli", *SWEEP]
+    return subprocess.Popen(
+        command, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "100"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS)))
+
+
+@pytest.mark.parametrize("second,code,line", [
+    (signal.SIGINT, 130, "tfcli: interrupted (Ctrl-C) while stopping: ended at once"),
+    (signal.SIGTERM, 143, "tfcli: terminated (SIGTERM) while stopping: ended at once")])
+def test_second_signal_during_cleanup_ends_at_once(tmp_path, second, code, line):
+    """Issue 11: a second Ctrl-C (or SIGTERM) while the first is being handled ends the run at
+    once: one line, no traceback, the existing CSV as it was, no temporary file left."""
+    proc = _sweep(tmp_path, SLOW_CLEANUP)
+    assert proc.stderr.readline().startswith("L=")  # the sweep runs
+    proc.send_signal(signal.SIGINT)
+    for text in proc.stderr:  # the cells cut short, then the cleanup starts
+        if text == "cleaning up\n":
+            break
+    proc.send_signal(second)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines() == [line + ", without "
+           "finishing; existing output files are as they were"], stderr
+    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]  # the .tmp is removed
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.05])
+def test_two_signals_in_quick_succession(tmp_path, gap):
+    """Ctrl-C then SIGTERM a moment apart, wherever each lands (coalesced, during the cleanup
+    or after the command has ended): no traceback, 130 or 143, the existing CSV intact."""
+    proc = _sweep(tmp_path)
+    assert proc.stderr.readline().startswith("L=")
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(gap)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (130, 143), stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("tfcli: ")
+    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
 # --- fuzzing, in-process (configuration is torch-free) -----------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -71,6 +71,20 @@ def check_outputs(*outputs: Output) -> None:
         seen[key] = out.option
 
 
+# Temporary files not yet renamed into place or removed: a run ended at once (a second Ctrl-C)
+# removes them, so it leaves no stray ".name.XXXX.tmp" beside the outputs.
+_PENDING: set[Path] = set()
+
+
+def remove_pending() -> None:
+    for temp in list(_PENDING):
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+    _PENDING.clear()
+
+
 class AtomicFile:
     """A file written under a temporary name in the target's directory; :meth:`commit` renames
     it into place, :meth:`discard` removes it. Either way the target is never half-written."""
@@ -80,6 +94,7 @@ class AtomicFile:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                                     suffix=f".tmp{path.suffix}")
         self.temp = Path(name)
+        _PENDING.add(self.temp)
         os.close(fd)
         self._file: IO[str] | None = None
         self._newline = newline
@@ -96,6 +111,7 @@ class AtomicFile:
                 else 0o666 & ~_umask())
         os.chmod(self.temp, mode)  # mkstemp makes 0600; keep the file's or the umask's
         os.replace(self.temp, self.path)
+        _PENDING.discard(self.temp)
 
     def discard(self) -> None:
         try:
@@ -107,6 +123,7 @@ class AtomicFile:
             self.temp.unlink()
         except OSError:
             pass
+        _PENDING.discard(self.temp)
 
 
 def _umask() -> int:
