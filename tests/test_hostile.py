@@ -514,6 +514,151 @@ def test_two_signals_in_quick_succession(tmp_path, gap):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
 
 
+# --- outputs where nothing may be written: permission bits must bind the run -----------------
+#
+# Root ignores permission bits, and the tests run as root. So as root tfcli runs either as the
+# user nobody, where nobody can reach the interpreter and the package, or as root without the
+# capabilities that override permission bits (dropped from the bounding set before exec).
+
+NOBODY = 65534
+PR_CAPBSET_DROP = 24
+DAC_CAPABILITIES = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+
+
+def _drop_dac_capabilities() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in DAC_CAPABILITIES:
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap}) failed")
+
+
+def _limited(then=None):
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+        if then is not None:
+            then()
+    return preexec
+
+
+def _probe(how: dict, where: Path) -> str | None:
+    """None when a child run ``how`` imports tfcli and is refused a write in a 0o555 directory;
+    else why not."""
+    (where / "probe").mkdir(mode=0o555, exist_ok=True)
+    code = ("import tfcli.cli\ntry:\n    open('probe/x', 'w')\nexcept PermissionError:\n"
+            "    raise SystemExit(0)\nraise SystemExit('a write into a 0o555 directory "
+            "succeeded: permission bits do not bind this user')")
+    try:
+        result = subprocess.run([sys.executable, "-c", code], cwd=where, capture_output=True,
+                                text=True, timeout=120, **how)
+    except OSError as error:  # e.g. the interpreter under /root (0700) cannot be executed
+        real = Path(os.path.realpath(sys.executable))
+        closed = next((d for d in reversed(real.parents) if not d.stat().st_mode & 0o001), None)
+        return f"{error.strerror}: {error.filename}" + (
+            f" (it is {real}, under {closed}, mode {oct(closed.stat().st_mode & 0o777)})"
+            if closed else "")
+    if result.returncode != 0:
+        return (result.stderr.strip().splitlines() or ["exit %d" % result.returncode])[-1]
+    return None
+
+
+@pytest.fixture(scope="module")
+def bound_by_permissions():
+    """(a directory every user can reach, keyword arguments for subprocess.run) such that the
+    child obeys permission bits; skipped, saying why, when neither way works."""
+    import shutil
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="tfcli-readonly-"))  # pytest's tmp is 0700 for root
+    where.chmod(0o755)
+    try:
+        if os.geteuid() != 0:
+            yield where, {"preexec_fn": _limited()}
+            return
+        nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+        reasons = []
+        for name, how in (("as nobody (uid 65534)", nobody),
+                          ("as root without CAP_DAC_OVERRIDE/DAC_READ_SEARCH/FOWNER",
+                           {"preexec_fn": _drop_dac_capabilities})):
+            why = _probe(how, where)
+            if why is None:
+                how = {**how, "preexec_fn": _limited(how.get("preexec_fn"))}
+                yield where, how
+                return
+            reasons.append(f"{name}: {why}")
+        pytest.skip("tests run as root and no child could be bound by permission bits: "
+                    + "; ".join(reasons))
+    finally:
+        for path in where.rglob("*"):
+            if path.is_dir():
+                path.chmod(0o755)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+READ_ONLY = [  # (id, arguments; "ro" is a 0o555 directory holding out.csv and out.png)
+    ("bench-csv", ["bench", "--csv", "ro/out.csv"], "ro"),
+    ("bench-csv-new", ["bench", "--csv", "ro/new.csv"], "ro"),
+    ("bench-plot", ["bench", "--plot", "ro/out.png"], "ro"),
+    ("bench-profile-inside", ["bench", "--profile", "ro/traces"], "ro"),
+    ("bench-profile-itself", ["bench", "--profile", "ro"], "ro"),
+    ("bench-csv-file-read-only", ["bench", "--csv", "readonly.csv"], "readonly.csv"),
+    ("masks-png", ["masks", "--preset", "tiny", "--png", "ro/out.png"], "ro"),
+]
+
+
+@pytest.mark.parametrize("args,named", [c[1:] for c in READ_ONLY], ids=[c[0] for c in READ_ONLY])
+def test_read_only_output_refused_before_work(bound_by_permissions, args, named):
+    """Issue 11: an output in a directory nobody may write (or a read-only file) is refused in
+    one line naming it, exit 2, before any work; what is there stays byte for byte."""
+    import shutil
+
+    base, how = bound_by_permissions
+    where = base / args[0] / str(len(list(base.glob(f"{args[0]}/*"))))
+    (where / "ro").mkdir(parents=True)
+    for name in ("out.csv", "out.png"):
+        (where / "ro" / name).write_bytes(PRECIOUS[name])
+    (where / "readonly.csv").write_bytes(PRECIOUS["out.csv"])
+    (where / "readonly.csv").chmod(0o444)
+    (where / "ro").chmod(0o555)
+    where.chmod(0o777 if os.geteuid() == 0 else 0o755)  # nobody reaches it; nothing else
+    before = {p: p.read_bytes() for p in where.rglob("*") if p.is_file()}
+    try:
+        result = subprocess.run([sys.executable, "-m", "tfcli", *args, "--seq-lens", "16"]
+                                if args[0] == "bench" else [sys.executable, "-m", "tfcli", *args],
+                                cwd=where, capture_output=True, text=True, timeout=240,
+                                env={**os.environ, "COLUMNS": "100"}, **how)
+        after = {p: p.read_bytes() for p in where.rglob("*") if p.is_file()}
+    finally:
+        (where / "ro").chmod(0o755)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("tfcli: error: ") and named in lines[0], lines
+    assert "permission denied" in lines[0] or "not writable" in lines[0], lines
+    assert result.stdout == "" and after == before
+    assert sorted(p.name for p in (where / "ro").iterdir()) == ["out.csv", "out.png"]
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "--seq-lens", "16", "--csv", "afile/out.csv"],
+    ["bench", "--seq-lens", "16", "--plot", "afile/out.png"],
+    ["bench", "--seq-lens", "16", "--profile", "afile/traces"],
+    ["masks", "--preset", "tiny", "--png", "afile/out.png"],
+], ids=["csv", "plot", "profile", "png"])
+def test_output_under_a_regular_file_refused(tmp_path, args):
+    """A parent that is a regular file (ENOTDIR): one line naming it, exit 2, the file intact."""
+    (tmp_path / "afile").write_bytes(PRECIOUS["out.csv"])
+    result = subprocess.run([sys.executable, "-m", "tfcli", *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240,
+                            preexec_fn=_limited())
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "'afile'" in lines[0] and "is not a directory" in lines[0], lines
+    assert (tmp_path / "afile").read_bytes() == PRECIOUS["out.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 # --- fuzzing, in-process (configuration is torch-free) -----------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
