@@ -62,6 +62,27 @@ def sliding_window(size: int, window: int, is_causal: bool,
     return band.tril() if is_causal else band.tril(window - 1)
 
 
+def key_span(queries: Tensor, key_len: int, is_causal: bool,
+             window: int | None = None) -> tuple[Tensor, Tensor]:
+    """[Q'] query positions -> ([Q'], [Q']) first and last key each may attend to (inclusive):
+    the rows of :func:`causal` and :func:`sliding_window` (or every key, with neither) at those
+    positions only, so a grid of any length is drawn without building it. Every structure here
+    allows one contiguous span of keys per query."""
+    if window is not None and window <= 0:
+        raise InputError(f"attention_window={window}: must be a positive integer")
+    if window is None:
+        first = torch.zeros_like(queries)
+    else:
+        first = (queries - (window - 1)).clamp(min=0)
+    if is_causal:
+        last = queries.clamp(max=key_len - 1)
+    elif window is None:
+        last = torch.full_like(queries, key_len - 1)
+    else:
+        last = (queries + (window - 1)).clamp(max=key_len - 1)
+    return first, last
+
+
 def allowed_pairs(length: int, is_causal: bool, window: int | None = None) -> int:
     """How many (query, key) pairs of one [L, L] self-attention the structure allows, in closed
     form (no tensor): L² dense, L(L+1)/2 causal, fewer in a window. Effective attention FLOPs
