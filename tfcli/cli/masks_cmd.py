@@ -15,6 +15,7 @@ from tfcli.cli._outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
+WHOLE = 512  # --json and --png hold every cell up to this many positions a side
 
 
 class Convention(str, Enum):
@@ -70,7 +71,10 @@ def masks(
     check: Annotated[bool, typer.Option(
         "--check", help="Run the model's attention on the batch and verify it obeys the masks "
                         "(exit code 1 if not).")] = False,
-    max_grid: Annotated[int, typer.Option(min=4, help="Elide grids larger than this.")] = 32,
+    max_grid: Annotated[int, typer.Option(
+        min=4, help="Positions drawn a side at most (fewer if the terminal is narrower): the "
+                    "first and last, with … between. --json and --png hold every cell up to "
+                    "512 a side, beyond that this many.")] = 32,
     png: Annotated[Optional[Path], typer.Option(
         metavar="FILE", show_default=False,
         help="Also draw the grids into a PNG (needs the 'plot' extra: matplotlib).")] = None,
@@ -82,9 +86,9 @@ def masks(
 
     check_outputs(Output(png, "--png", ".png"))
 
+    from tfcli.inspection.maskcheck import mask_rules
+    from tfcli.inspection.maskgrid import Padding, shown_cells
     from tfcli.model import masks as mask_fns
-    from tfcli.inspection.maskcheck import check_model, mask_set
-    from tfcli.model.transformer import build_model
     from tfcli.render.masks import render_check, render_masks
 
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
@@ -103,19 +107,20 @@ def masks(
                          "--src-lens/--tgt-lens")
     pad_id = 0 if pad_id is None else pad_id
     cfg = subject.cfg
-    sides = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)) if present]
+    sides_present = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder))
+                     if present]
     given = {"src": (src_lens, src_ids), "tgt": (tgt_lens, tgt_ids)}
     for side in ("src", "tgt"):
         lens, ids = given[side]
         if lens is not None and ids is not None:
             raise TfcliError(f"--{side}-lens and --{side}-ids: give one or the other")
-        if side not in sides and (lens is not None or ids is not None):
+        if side not in sides_present and (lens is not None or ids is not None):
             raise TfcliError(f"--{side}-lens/--{side}-ids: this {cfg.kind} model has no "
                              f"{'source' if side == 'src' else 'target'} side")
 
-    valid: dict[str, torch.Tensor] = {}
+    sides: dict[str, Padding] = {}
     ids_given: dict[str, torch.Tensor] = {}
-    for side in sides:
+    for side in sides_present:
         lens, ids = given[side]
         if ids is not None:
             vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
@@ -127,78 +132,79 @@ def masks(
                     else f"--{side}-ids/--pad-id: token id {pad_id if bad is None else bad} is "
                          f"outside the vocabulary; ids must be in 0..{vocab - 1}")
             ids_given[side] = torch.tensor(rows)
-            valid[side] = mask_fns.valid_from_ids(ids_given[side], pad_id)
+            valid = mask_fns.valid_from_ids(ids_given[side], pad_id)
+            sides[side] = Padding(valid.size(1), valid=valid)
         elif lens is not None:
-            valid[side] = mask_fns.valid_from_lengths(int_list(lens, f"--{side}-lens", "5,3"))
-    batch = {v.size(0) for v in valid.values()}
+            real = int_list(lens, f"--{side}-lens", "5,3")
+            sides[side] = Padding(max(real), lengths=tuple(real))  # no [B, L] vector
+    batch = {p.batch for p in sides.values()}
     if len(batch) > 1:
         raise TfcliError(f"source and target batches differ in size ({' vs '.join(map(str, batch))}"
                          "): give one length (or id row) per sequence on both sides")
     batch_size = batch.pop() if batch else len(DEFAULT_LENS["src"])
     any_given = any(v is not None for pair in given.values() for v in pair)
-    for side in sides:
-        if side not in valid:
+    for side in sides_present:
+        if side not in sides:
             # Nothing given: the defaults. One side given: no padding on the other.
             default = DEFAULT_LENS[side] if not any_given else [max(DEFAULT_LENS[side])] * batch_size
-            valid[side] = mask_fns.valid_from_lengths(default)
-        length = valid[side].size(1)
+            sides[side] = Padding(max(default), lengths=tuple(default))
+        length = sides[side].length
         if length == 0 or length > cfg.max_seq_len:
             raise TfcliError(f"--{side}-lens: padded length {length} must be in "
                              f"1..max_seq_len={cfg.max_seq_len}")
     if batch_index >= batch_size:
         raise TfcliError(f"--batch-index {batch_index}: the batch has {batch_size} sequences "
                          f"(0..{batch_size - 1})")
+    if max_memory is not None and not check:
+        raise TfcliError("--max-memory bounds masks --check; drawing the grids costs the same "
+                         "at any length")
 
-    # Every grid is built whole (B × queries × keys: the mask, its expanded copy, a converted
-    # one; JSON spells out each value): refuse what cannot be held before building any.
-    longest = max(v.size(1) for v in valid.values())
-    grids = (6 * batch_size * longest**2 * (50 if json_out else 6), "mask grids")
-    guard_run(None, None, "masks", max_memory, extra=grids)
-    if check:
-        from tfcli.subjects.own import OwnSubject
-
-        guard_run(OwnSubject(cfg.replace(attention="naive")),
-                  {"B": batch_size, "S": valid["src"].size(1) if "src" in valid else 1,
-                   "T": valid["tgt"].size(1) if "tgt" in valid else 1},
-                  "masks --check", max_memory, extra=grids)
-    src_valid, tgt_valid = valid.get("src"), valid.get("tgt")
-    named = mask_set(cfg, src_valid, tgt_valid)
-    items = []
-    for m in named:
-        q_valid, k_valid = valid[m.query_side], valid[m.key_side]
-        allowed = m.expanded(batch_size, q_valid.size(1), k_valid.size(1))
-        items.append((m, allowed, q_valid, k_valid))
-
+    # Drawing computes only the cells shown (see tfcli.inspection.maskgrid); --check runs the
+    # model and builds every mask whole (B x queries x keys, an expanded and a converted copy).
+    lens = {side: p.length for side, p in sides.items()}
     report = None
     if check:
-        from tfcli.model.transformer import example_inputs
-
+        from tfcli.inspection.maskcheck import check_model
+        from tfcli.model.transformer import build_model, example_inputs
         from tfcli.render.progress import working
+        from tfcli.subjects.own import OwnSubject
 
+        longest = max(lens.values())
+        guard_run(OwnSubject(cfg.replace(attention="naive")),
+                  {"B": batch_size, "S": lens.get("src", 1), "T": lens.get("tgt", 1)},
+                  "masks --check", max_memory,
+                  extra=(6 * batch_size * longest**2 * 6, "mask grids"))
         with working("building the model on cpu") as say:  # on stderr, at a terminal only
             torch.manual_seed(0)
             model = build_model(cfg.replace(attention="naive"))
-            inputs = example_inputs(cfg, batch_size, valid["src"].size(1) if "src" in valid
-                                    else 1, valid["tgt"].size(1) if "tgt" in valid else 1)
+            inputs = example_inputs(cfg, batch_size, lens.get("src", 1), lens.get("tgt", 1))
             inputs = {k: ids_given.get(k, v) for k, v in inputs.items() if v is not None}
             say("checking the masks: running the model's attention on the batch")
-            report = check_model(model, cfg, inputs, src_valid, tgt_valid)
+            report = check_model(model, cfg, inputs,
+                                 sides["src"].whole() if "src" in sides else None,
+                                 sides["tgt"].whole() if "tgt" in sides else None)
 
+    named = mask_rules(cfg)
+    # JSON and the PNG hold every cell up to WHOLE positions a side; the terminal shows
+    # --max-grid at most (fewer where its width is less).
+    whole = {side: n if n <= WHOLE else max_grid for side, n in lens.items()}
     if png is not None:
         from tfcli.render.masks_png import save_png
 
         out = AtomicFile(png)  # an existing PNG survives a failed drawing
         try:
-            save_png(items, batch_index, out.temp)
+            save_png(shown_cells(named, sides, whole), batch_index, out.temp)
             out.commit()
         except BaseException:
             out.discard()
             raise
     if json_out:
-        print_json(_to_json(cfg, items, valid, convention.value, report))
+        print_json(_to_json(cfg, shown_cells(named, sides, whole), sides, whole, batch_size,
+                            convention.value, report))
     else:
         console = stdout()
-        render_masks(items, batch_index, batch_size, cfg.n_heads, convention.value, max_grid,
+        grids = shown_cells(named, sides, {side: max_grid for side in sides})
+        render_masks(grids, batch_index, batch_size, cfg.n_heads, convention.value, max_grid,
                      console)
         if report is not None:
             render_check(report, console)
@@ -208,9 +214,14 @@ def masks(
         raise typer.Exit(1)
 
 
-def _to_json(cfg, items, valid, convention, report) -> dict:
+def _to_json(cfg, grids, sides, limits, batch_size, convention, report) -> dict:
+    """As the grids' cells: every cell up to WHOLE positions a side; beyond, the shown ones,
+    with the positions they stand for."""
     from dataclasses import asdict
 
+    import torch
+
+    from tfcli.inspection.maskgrid import shown_positions
     from tfcli.model.masks import to_convention
 
     def values(allowed):
@@ -220,17 +231,30 @@ def _to_json(cfg, items, valid, convention, report) -> dict:
         return [[[("-inf" if v == float("-inf") else v) for v in row] for row in grid]
                 for grid in converted]
 
+    elided = any(g.elided for g in grids)
+    positions = {side: shown_positions(p.length, limits[side]) for side, p in sides.items()}
+    masks = []
+    for g in grids:
+        m = g.mask
+        entry = {
+            "key": m.key, "name": m.name, "description": m.description,
+            "shape": m.stored_shape(batch_size, g.q_len, g.k_len),
+            "broadcast_shape": [batch_size, cfg.n_heads, g.q_len, g.k_len],
+            "used_by_model": m.used_by_model, "allowed": g.allowed.tolist(),
+            "convention": convention, "values": values(g.allowed),
+        }
+        if elided:
+            entry.update(query_positions=g.rows, key_positions=g.cols)
+        masks.append(entry)
     out = {
         "kind": cfg.kind,
-        "valid": {side: v.tolist() for side, v in valid.items()},
-        "masks": [{
-            "key": m.key, "name": m.name, "description": m.description,
-            "shape": list(m.mask.shape), "broadcast_shape": [allowed.size(0), cfg.n_heads,
-                                                             *allowed.shape[1:]],
-            "used_by_model": m.used_by_model, "allowed": allowed.tolist(),
-            "convention": convention, "values": values(allowed),
-        } for m, allowed, _, _ in items],
+        "valid": {side: p.at(torch.tensor(positions[side], dtype=torch.int64)).tolist()
+                  for side, p in sides.items()},
+        "masks": masks,
+        "elided": elided,
     }
+    if elided:  # which positions "valid" and each grid's rows and columns stand for
+        out["positions"] = positions
     if report is not None:
         out["check"] = {**asdict(report), "passed": report.passed}
     return out

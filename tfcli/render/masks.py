@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tfcli.inspection.maskcheck import CheckReport, NamedMask
+from tfcli.inspection.maskgrid import Grid
 
 CELLS = {  # convention -> (text where attending is allowed, text where it is blocked)
     "bool-allowed": ("T", "F"),
@@ -36,39 +37,84 @@ def _indices(n: int, limit: int) -> list[int | None]:
     return [*range(head), None, *range(n - (limit - head), n)]
 
 
-def grid(named: NamedMask, allowed, q_valid, k_valid, batch: int, convention: str,
-         limit: int) -> Text:
-    """``allowed`` [B, Q, K] bool; ``q_valid`` / ``k_valid`` [B, Q] / [B, K] bool."""
+def _draw(q_len: int, k_len: int, rows: list[int | None], cols: list[int | None], cell,
+          q_pad, k_pad, empty, convention: str) -> Text:
+    """The grid at ``rows`` x ``cols`` (None: an elided run); ``cell(q, k)``, ``q_pad(q)``,
+    ``k_pad(k)`` and ``empty(q)`` (no allowed key in the whole row) answer for shown positions."""
     yes, no = CELLS[convention]
-    q_len, k_len = allowed.shape[1:]
-    width = max(len(yes), len(no), len(str(k_len - 1)) + 1)
-    rows, cols = _indices(q_len, limit), _indices(k_len, limit)
-    label = max(len(str(q_len - 1)) + 1, 4)
+    width = _cell_width(convention, k_len)
+    label = _label_width(q_len)
     text = Text()
     text.append(" " * (label + 1))
     for k in cols:
         if k is None:
             text.append("…".rjust(width + 1))
         else:
-            pad = not k_valid[batch, k]
+            pad = k_pad(k)
             text.append(f"{k}{'*' if pad else ''}".rjust(width + 1), style="dim" if pad else "")
     text.append("\n")
     for q in rows:
         if q is None:
             text.append("⋮".rjust(label) + "\n")
             continue
-        pad = not q_valid[batch, q]
+        pad = q_pad(q)
         text.append(f"{q}{'*' if pad else ''}".rjust(label) + " ", style="dim" if pad else "")
         for k in cols:
             if k is None:
                 text.append("…".rjust(width + 1))
                 continue
-            ok = bool(allowed[batch, q, k])
+            ok = cell(q, k)
             text.append((yes if ok else no).rjust(width + 1), style=ALLOWED if ok else BLOCKED)
-        if not allowed[batch, q].any():
+        if empty(q):
             text.append(f"   {EMPTY_ROW[convention]}", style="bold")
         text.append("\n")
     return text
+
+
+def _cell_width(convention: str, k_len: int) -> int:
+    yes, no = CELLS[convention]
+    return max(len(yes), len(no), len(str(k_len - 1)) + 1)
+
+
+def _label_width(q_len: int) -> int:
+    return max(len(str(q_len - 1)) + 1, 4)
+
+
+def fitting_limit(q_len: int, k_len: int, convention: str, limit: int, width: int) -> int:
+    """Positions per side to show: at most ``limit``, and no more columns than ``width``
+    holds (head, "…" and tail), but never fewer than 4; rows follow the columns, so a
+    self-attention grid shows the same positions down as across."""
+    per = _cell_width(convention, k_len) + 1
+    room = (width - _label_width(q_len) - 1) // per
+    if k_len <= min(limit, room):
+        return limit
+    return max(4, min(limit, room - 1))  # one column goes to the "…"
+
+
+def grid(named: NamedMask, allowed, q_valid, k_valid, batch: int, convention: str,
+         limit: int) -> Text:
+    """``allowed`` [B, Q, K] bool; ``q_valid`` / ``k_valid`` [B, Q] / [B, K] bool."""
+    q_len, k_len = allowed.shape[1:]
+    return _draw(q_len, k_len, _indices(q_len, limit), _indices(k_len, limit),
+                 lambda q, k: bool(allowed[batch, q, k]), lambda q: not q_valid[batch, q],
+                 lambda k: not k_valid[batch, k], lambda q: not allowed[batch, q].any(),
+                 convention)
+
+
+def shown_grid(g: Grid, batch: int, convention: str, limit: int, width: int) -> Text:
+    """A :class:`Grid` (cells computed at its shown positions only), narrowed to ``width``."""
+    limit = fitting_limit(g.q_len, g.k_len, convention, limit, width)
+    row_at = {q: i for i, q in enumerate(g.rows)}
+    col_at = {k: j for j, k in enumerate(g.cols)}
+    # Narrowing keeps a head and a tail no longer than the computed ones (limit <= theirs).
+    rows, cols = _indices(g.q_len, limit), _indices(g.k_len, limit)
+    assert all(q in row_at for q in rows if q is not None), "rows outside the computed grid"
+    assert all(k in col_at for k in cols if k is not None), "columns outside the computed grid"
+    return _draw(g.q_len, g.k_len, rows, cols,
+                 lambda q, k: bool(g.allowed[batch, row_at[q], col_at[k]]),
+                 lambda q: not g.row_valid[batch, row_at[q]],
+                 lambda k: not g.col_valid[batch, col_at[k]],
+                 lambda q: not g.row_has_key[batch, row_at[q]], convention)
 
 
 def _stored(shape: list[int], convention: str) -> str:
@@ -89,17 +135,16 @@ def mha_shape(shape: list[int], q: str, k: str, q_len: int, k_len: int, batch_si
     return f"nn.MultiheadAttention: {per_batch} (3-D, a copy per head)"
 
 
-def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: int,
-                 batch_size: int, n_heads: int, convention: str, limit: int,
-                 console: Console) -> None:
+def render_masks(grids: list[Grid], batch: int, batch_size: int, n_heads: int,
+                 convention: str, limit: int, console: Console) -> None:
     console.soft_wrap = True  # a re-wrapped grid row is unreadable: leave long lines to the pager
     yes, no = CELLS[convention]
     console.print(Text(f"convention {convention}: {yes} = may attend, {no} = blocked "
                        f"({HEADERS[convention]})\nrows are queries, columns keys; * marks padding",
                        style="bold"), soft_wrap=False)
-    for named, allowed, q_valid, k_valid in items:
-        q_len, k_len = allowed.shape[1:]
-        shape = list(named.mask.shape)
+    for g in grids:
+        named, q_len, k_len = g.mask, g.q_len, g.k_len
+        shape = named.stored_shape(batch_size, q_len, k_len)
         console.print()
         role = "" if named.used_by_model else "  [a component of the next mask]"
         console.print(Text(f"{named.name}: {named.description}{role}", style="bold"),
@@ -111,9 +156,9 @@ def render_masks(items: list[tuple[NamedMask, object, object, object]], batch: i
         if convention == "bool-blocked":
             console.print(mha_shape(shape, q, k, q_len, k_len, batch_size, n_heads),
                           soft_wrap=False)
-        console.print(f"batch element {batch}: {int(q_valid[batch].sum())} real queries, "
-                      f"{int(k_valid[batch].sum())} real keys; cells in {convention}")
-        console.print(grid(named, allowed, q_valid, k_valid, batch, convention, limit), end="")
+        console.print(f"batch element {batch}: {g.real_queries[batch]} real queries, "
+                      f"{g.real_keys[batch]} real keys; cells in {convention}")
+        console.print(shown_grid(g, batch, convention, limit, console.width), end="")
 
 
 def render_check(report: CheckReport, console: Console) -> None:

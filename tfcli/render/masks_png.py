@@ -28,7 +28,9 @@ def tick_positions(n: int, most: int = MAX_LABELS) -> list[int]:
     return ticks
 
 
-def save_png(items, batch: int, path: Path) -> None:
+def save_png(grids, batch: int, path: Path) -> None:
+    """``grids``: tfcli.inspection.maskgrid.Grid, each drawn at its computed positions (a dashed
+    line where a run of positions is elided)."""
     try:
         import matplotlib
 
@@ -44,26 +46,32 @@ def save_png(items, batch: int, path: Path) -> None:
         raise TfcliError(f"--png {str(path)!r}: no such directory {str(path.parent)!r}")
 
     panel = 3.6
-    width = max(panel * len(items), 5.0)
-    fig, axes = plt.subplots(1, len(items), figsize=(width, panel + 1.3), squeeze=False,
+    width = max(panel * len(grids), 5.0)
+    fig, axes = plt.subplots(1, len(grids), figsize=(width, panel + 1.3), squeeze=False,
                              layout="constrained")
     colours = ListedColormap([BLOCKED_COLOUR, ALLOWED_COLOUR])
-    for ax, (named, allowed, q_valid, k_valid) in zip(axes[0], items, strict=True):
-        q_len, k_len = allowed.shape[1:]
-        ax.imshow(allowed[batch].int().tolist(), cmap=colours, vmin=0, vmax=1,
+    for ax, g in zip(axes[0], grids, strict=True):
+        rows, cols = len(g.rows), len(g.cols)
+        ax.imshow(g.allowed[batch].int().tolist(), cmap=colours, vmin=0, vmax=1,
                   interpolation="nearest")
-        ax.set_title("\n".join(textwrap.wrap(named.name, 32)), fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(g.mask.name, 32)), fontsize=9)
         ax.set_xlabel("keys (* padding)", fontsize=8)
         ax.set_ylabel("queries (* padding)", fontsize=8)
-        xs, ys = tick_positions(k_len), tick_positions(q_len)
-        ax.set_xticks(xs, [f"{k}{'' if k_valid[batch, k] else '*'}" for k in xs], fontsize=7,
-                      rotation=90 if max(k_len, 1) > 10 else 0)
-        ax.set_yticks(ys, [f"{q}{'' if q_valid[batch, q] else '*'}" for q in ys], fontsize=7)
-        if max(q_len, k_len) <= 48:  # cell borders, so cells can be counted
-            ax.set_xticks([x - 0.5 for x in range(1, k_len)], minor=True)
-            ax.set_yticks([y - 0.5 for y in range(1, q_len)], minor=True)
+        # Ticks are at drawn cells; their labels are the positions those cells stand for.
+        xs, ys = tick_positions(cols), tick_positions(rows)
+        ax.set_xticks(xs, [f"{g.cols[x]}{'' if g.col_valid[batch, x] else '*'}" for x in xs],
+                      fontsize=7, rotation=90 if max(g.k_len, 1) > 10 else 0)
+        ax.set_yticks(ys, [f"{g.rows[y]}{'' if g.row_valid[batch, y] else '*'}" for y in ys],
+                      fontsize=7)
+        if max(rows, cols) <= 48:  # cell borders, so cells can be counted
+            ax.set_xticks([x - 0.5 for x in range(1, cols)], minor=True)
+            ax.set_yticks([y - 0.5 for y in range(1, rows)], minor=True)
             ax.grid(which="minor", color="white", linewidth=0.6)
             ax.tick_params(which="minor", length=0)
+        for at, gap in ((g.cols, ax.axvline), (g.rows, ax.axhline)):  # an elided run
+            for i in range(1, len(at)):
+                if at[i] != at[i - 1] + 1:
+                    gap(i - 0.5, color="black", linewidth=1.2, linestyle=(0, (2, 2)))
     title = (f"batch element {batch}: blue = may attend, grey = blocked; rows are queries, "
              f"columns keys")
     fig.suptitle("\n".join(textwrap.wrap(title, math.floor(width * 11))), fontsize=10)
