@@ -217,3 +217,194 @@ def test_sliding_window_is_drawn_and_checked():
     assert check_model(build_model(cfg), cfg, inputs, None, valid).passed
     ignores_window = build_model(cfg.replace(attention_window=None))
     assert not check_model(ignores_window, cfg, inputs, None, valid).passed
+
+
+# --- grids of any length: only the shown cells are computed ----------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 7, 12])
+def test_key_span_is_each_row_of_the_whole_mask(is_causal, window):
+    for size in range(1, 10):
+        if window is None:
+            whole = masks.causal(size) if is_causal else torch.ones(size, size, dtype=torch.bool)
+        else:
+            whole = masks.sliding_window(size, window, is_causal)
+        first, last = masks.key_span(torch.arange(size), size, is_causal, window)
+        k = torch.arange(size)
+        assert torch.equal((first[:, None] <= k) & (k <= last[:, None]), whole)
+
+
+@pytest.mark.parametrize("name,window", [("tiny", None), ("tiny", 3), ("gpt2-small", None),
+                                         ("gpt2-small", 5), ("bert-base", 4)])
+def test_shown_cells_are_the_model_masks_cells(name, window):
+    """At a length the whole masks can be built, the cells computed at the shown positions
+    (and whether each shown row has an allowed key anywhere) equal the model's masks'."""
+    from tfcli.inspection.maskcheck import mask_rules
+    from tfcli.inspection.maskgrid import Padding, shown_cells
+
+    cfg = get_preset(name).replace(attention_window=window, max_seq_len=100)
+    ids_valid = torch.tensor([[1, 0] * 50, [0] * 60 + [1] * 40]).bool()  # as from token ids
+    sides = {"src": Padding(100, lengths=(70, 0)), "tgt": Padding(100, valid=ids_valid)}
+    full = {"src": masks.valid_from_lengths([70, 0], 100), "tgt": ids_valid}
+    whole = {m.key: m for m in mask_set(cfg, full["src"] if cfg.has_encoder else None,
+                                        full["tgt"] if cfg.has_decoder else None)}
+    for g in shown_cells(mask_rules(cfg), sides, {"src": 11, "tgt": 7}):
+        assert g.elided and len(g.rows) <= 11
+        m = whole[g.mask.key]
+        assert g.mask.stored_shape(2, 100, 100) == list(m.mask.shape)
+        grid = m.expanded(2, 100, 100)
+        rows, cols = torch.tensor(g.rows), torch.tensor(g.cols)
+        assert torch.equal(g.allowed, grid[:, rows][:, :, cols])
+        assert torch.equal(g.row_has_key, grid[:, rows].any(-1))
+        q, k = full[g.mask.query_side], full[g.mask.key_side]
+        assert torch.equal(g.row_valid, q[:, rows]) and torch.equal(g.col_valid, k[:, cols])
+        assert g.real_keys == k.sum(1).tolist()
+
+
+def _rule(key: str, q: int, k: int, window: int | None, src_len: int, tgt_len: int) -> bool:
+    """What each mask allows, written out independently of tfcli: causal k <= q; a causal
+    window of W: q - W < k <= q; a two-sided one: |q - k| < W; padding: k below the length."""
+    causal = k <= q if window is None else q - window < k <= q
+    band = True if window is None else abs(q - k) < window
+    return {"encoder_window": band, "encoder_self": band and k < src_len,
+            "decoder_causal": causal, "decoder_window": causal, "decoder_padding": k < tgt_len,
+            "decoder_self": causal and k < tgt_len, "cross": k < src_len}[key]
+
+
+def _subprocess(args: list[str], columns: int = 100):
+    """`python -m tfcli` under a 3 GiB address-space limit: the old code refused (it sized
+    whole grids), and a regression that builds them fails here, not in the OOM killer."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    limit = 3 * 2**30
+    return subprocess.run(
+        [sys.executable, "-m", "tfcli", *args], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+
+
+def _parse_grids(text: str) -> dict[str, tuple[list, list[tuple]]]:
+    """Drawn grids by mask name: the column labels, and each row (label, cells, note)."""
+    out, lines, i = {}, text.splitlines(), 0
+    while i < len(lines):
+        if not lines[i].startswith("batch element"):
+            i += 1
+            continue
+        name = next(lines[j] for j in range(i, 0, -1) if ": " in lines[j] and
+                    not lines[j].startswith(("stored", "batch", "nn.")))
+        cols, rows = lines[i + 1].split(), []
+        i += 2
+        while i < len(lines) and lines[i].strip():
+            cells = lines[i].split()
+            rows.append((cells[0], cells[1:1 + len(cols)], "no allowed key" in lines[i]))
+            i += 1
+        out[name.split(":")[0]] = (cols, rows)
+    return out
+
+
+KEYS = {"encoder sliding window": "encoder_window", "encoder self-attention": "encoder_self",
+        "decoder causal": "decoder_causal", "decoder causal sliding window": "decoder_window",
+        "decoder target padding": "decoder_padding", "decoder self-attention": "decoder_self",
+        "cross-attention (memory)": "cross"}
+
+
+@pytest.mark.parametrize("preset,window,src,tgt", [
+    ("gpt2-small", None, None, [10**6, 10**6 - 3]),
+    ("tiny", 5, [10**6 - 2, 10**6], [4, 10**6]),
+])
+def test_huge_lengths_draw_elided_grids_with_the_right_cells(preset, window, src, tgt):
+    n = 10**6
+    args = ["masks", "--preset", preset, "--set", f"max_seq_len={n}", "--batch-index", "0",
+            "--tgt-lens", ",".join(map(str, tgt))]
+    if window:
+        args += ["--set", f"attention_window={window}"]
+    if src:
+        args += ["--src-lens", ",".join(map(str, src))]
+    result = _subprocess(args)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    grids = _parse_grids(result.stdout)
+    assert len(grids) == (3 if preset == "gpt2-small" else 6)
+    src_len, tgt_len = (src or [0])[0], tgt[0]
+    for name, (cols, rows) in grids.items():
+        key = KEYS[name]
+        q_len = {"encoder": src_len, "decoder": tgt_len, "cross": tgt_len}[key.split("_")[0]]
+        assert "…" in cols and any(label == "⋮" for label, _, _ in rows)
+        assert cols[-1].rstrip("*") == str(n - 1) and rows[-1][0].rstrip("*") == str(n - 1)
+        assert max(len(line) for line in result.stdout.splitlines()
+                   if "no allowed key" not in line) <= 100  # fitted to COLUMNS
+        for label, cells, note in rows:
+            if label == "⋮":
+                continue
+            q = int(label.rstrip("*"))
+            assert label.endswith("*") == (q >= q_len)
+            drawn = [c for c, cell in zip(cols, cells, strict=True) if c != "…"]
+            for col, cell in zip(drawn, [c for c in cells if c != "…"], strict=True):
+                k = int(col.rstrip("*"))
+                assert cell == ("T" if _rule(key, q, k, window, src_len, tgt_len) else "F"), \
+                    (name, q, k)
+            # a note where the whole row, not just its shown cells, allows no key: a window
+            # allows keys within W of q; without one, every rule here allows key 0 if any
+            windowed = window is not None and key not in ("decoder_padding", "cross")
+            keys = range(max(0, q - window + 1), min(q + window, n)) if windowed else [0]
+            assert note == (not any(_rule(key, q, k, window, src_len, tgt_len) for k in keys))
+
+
+def test_huge_lengths_json_is_elided_with_its_positions():
+    n = 10**6
+    result = _subprocess(["masks", "--preset", "gpt2-small", "--set", f"max_seq_len={n}",
+                          "--set", "attention_window=3", "--tgt-lens", f"{n},{n - 1}", "--json",
+                          "--max-grid", "6", "--convention", "additive"])
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) < 20_000
+    data = json.loads(result.stdout)
+    shown = [0, 1, 2, 3, n - 2, n - 1]
+    assert data["elided"] is True and data["positions"] == {"tgt": shown}
+    assert data["valid"]["tgt"] == [[True] * 6, [True] * 5 + [False]]
+    for m in data["masks"]:
+        assert m["query_positions"] == m["key_positions"] == shown
+        assert m["broadcast_shape"] == [2, 12, n, n]
+        for b, length in enumerate([n, n - 1]):
+            for i, q in enumerate(shown):
+                for j, k in enumerate(shown):
+                    ok = _rule(m["key"], q, k, 3, 0, length)
+                    assert m["allowed"][b][i][j] == ok
+                    assert m["values"][b][i][j] == (0.0 if ok else "-inf")
+    assert {m["key"]: m["shape"] for m in data["masks"]} == {
+        "decoder_window": [1, 1, n, n], "decoder_padding": [2, 1, 1, n],
+        "decoder_self": [2, 1, n, n]}
+
+
+def test_small_json_holds_every_cell_and_says_it_is_not_elided(cli):
+    data = json.loads(cli("masks", "--preset", "gpt2-small", "--tgt-lens", "40", "--json").stdout)
+    assert data["elided"] is False and "positions" not in data
+    assert len(data["masks"][0]["allowed"][0]) == 40 and "query_positions" not in data["masks"][0]
+
+
+def test_grids_fit_the_terminal_width(cli):
+    result = cli("masks", "--preset", "gpt2-small", "--tgt-lens", "30", env={"COLUMNS": "60",
+                                                                          "NO_COLOR": "1"})
+    assert result.exit_code == 0
+    grid_lines = [line for line in result.stdout.splitlines() if line.lstrip()[:1].isdigit()]
+    assert grid_lines and max(len(line) for line in grid_lines) <= 60
+    assert any("…" in line for line in grid_lines)
+    # wide enough, the same 30 positions are drawn whole
+    wide = cli("masks", "--preset", "gpt2-small", "--tgt-lens", "30", env={"COLUMNS": "200"})
+    assert "…" not in wide.stdout
+
+
+def test_max_memory_without_check_is_refused(cli):
+    result = cli("masks", "--preset", "tiny", "--max-memory", "1GB")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().count("\n") == 0 and "--max-memory bounds masks --check" \
+        in result.stderr
+
+
+def test_check_on_huge_lengths_keeps_its_memory_guard(cli):
+    result = cli("masks", "--preset", "gpt2-small", "--set", "max_seq_len=1000000",
+                 "--tgt-lens", "1000000", "--check")
+    assert result.exit_code == 2 and "masks --check needs an estimated" in result.stderr
