@@ -170,6 +170,41 @@ def test_atomic_file_keeps_the_old_file_until_commit(tmp_path):
     assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.csv"]
 
 
+def test_temporary_files_not_yet_in_place_can_be_removed_at_once(tmp_path):
+    """What a second Ctrl-C does before ending the process: every temporary file not yet
+    renamed into place goes; the targets stay as they were."""
+    from tfcli.cli._outputs import AtomicFile, remove_pending
+
+    (tmp_path / "r.csv").write_text("old")
+    first, second = AtomicFile(tmp_path / "r.csv"), AtomicFile(tmp_path / "p.png")
+    first.text().write("half")
+    done = AtomicFile(tmp_path / "done.csv")
+    done.text().write("all")
+    done.commit()
+    remove_pending()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done.csv", "r.csv"]
+    assert (tmp_path / "r.csv").read_text() == "old" and not second.temp.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "examples/tutorial_transformer.py:build"],
+     "--what attention times the attention core alone, sized by --heads/--head-dim, and uses "
+     "nothing of the module; add --what model"),
+    (["--model", "hf:examples/llama-tiny", "--input", "input_ids=int64[B,L]"],
+     "--input describes the forward of the model --what model runs"),
+])
+def test_bench_refuses_what_it_would_ignore(cli, args, message):
+    result = cli("bench", "--seq-lens", "16", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1
+
+
+def test_given_is_false_outside_a_command():
+    from tfcli.cli._common import given
+
+    assert not given("src_len")
+
+
 def test_interrupted_bench_leaves_an_existing_csv_as_it_was(cli, ctrl_c_at_block, tmp_path):
     ctrl_c_at_block(6)
     path = tmp_path / "r.csv"

@@ -208,8 +208,10 @@ def test_bad_options(cli, args, message):
      "(they use S)"),
     (["--preset", "tiny", "--src-len", "99"],
      "--src-len 99 exceeds max_seq_len=64; raise it with --set max_seq_len=99"),
+    (["--preset", "bert-base", "--causal-flops"],
+     "--causal-flops: this encoder-only model has no causal attention to count half of"),
 ])
-def test_a_size_that_would_do_nothing_is_refused(cli, args, message):
+def test_an_option_that_would_do_nothing_is_refused(cli, args, message):
     """Issue 11: an option given explicitly that sizes nothing the model's inputs use is
     refused in one line; left at its default it is not."""
     result = cli("shapes", *args)

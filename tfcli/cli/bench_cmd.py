@@ -167,6 +167,13 @@ def bench(
                              "attention; the model's own come from its configuration")
     elif tgt_len is not None:
         raise TfcliError("--tgt-len applies to --what model")
+    elif input_:
+        raise TfcliError("--input describes the forward of the model --what model runs; --what "
+                         "attention times the attention core alone")
+    elif cfg is None and subject.kind != "hf":  # nothing of a module sizes the core
+        raise TfcliError(f"--model {subject.label}: --what attention times the attention core "
+                         f"alone, sized by --heads/--head-dim, and uses nothing of the module; "
+                         f"add --what model")
     if tgt_len is not None and not {"S", "T"} <= set(subject.length_dims()):
         raise TfcliError("--tgt-len fixes the target length of an encoder-decoder model; this "
                          "model has one length, swept by --seq-lens")

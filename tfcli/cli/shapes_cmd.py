@@ -65,6 +65,9 @@ def shapes(
         ("--tgt-len", tgt_len, "tgt_len")) if given(name)}, dim)
     dims = sizes(subject, batch_size, src_len, tgt_len, dim)
     cfg = getattr(subject, "cfg", None)
+    if causal_flops and cfg is not None and not cfg.has_decoder:
+        raise TfcliError(f"--causal-flops: this {cfg.kind} model has no causal attention to "
+                         f"count half of")
     lengths = {"src": src_len, "tgt": tgt_len}
     if cfg is not None:
         for side, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder)):
