@@ -7,9 +7,11 @@ between barriers: an adaptive timer (``blocked_autorange``) would choose a diffe
 rank, and ranks that disagree on how many collectives to run deadlock. Per rank: the step times
 (median, IQR), the peak memory of one step (CUDA's allocator; on the CPU the profiler's
 allocation events), and per collective the calls and the bytes handed to it, seen by a dispatch
-mode on the c10d ops (DDP's all-reduce, issued from its C++ reducer where no mode sees it,
-through a counting communication hook). torch's ``CommDebugMode`` would count the calls, but its
-module tracker raises IndexError on this model's keyword-only forward (torch 2.13).
+mode on the c10d ops (DDP's bucket all-reduce also through a counting communication hook).
+torch's ``CommDebugMode`` counts calls but not bytes, and on this model its module tracker raises
+IndexError (torch 2.13): each layer calls its one ``dropout`` module after every sublayer, and
+the tracker adds a forward hook per call, which then pops its module stack once too often. Where
+it runs (the dropout calls taken out), its counts equal this mode's (tests/test_dist_launch.py).
 """
 
 from __future__ import annotations

@@ -133,15 +133,20 @@ def parity(rank: int, model, loss, cfg_dict: dict, batch: int, seq_len: int, see
             "same_parameters_have_grads": bool(torch.equal(mine[has], theirs[has]))}
 
 
-def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False) -> int:
-    """For tests of the launcher: ``bad_rank`` raises (or hangs); the others wait in a
-    collective that the bad rank never joins."""
+def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False,
+              kill: bool = False) -> int:
+    """For tests of the launcher: ``bad_rank`` raises (or hangs, or is killed by SIGKILL as
+    the kernel's OOM killer would); the others wait in a collective that it never joins."""
+    import os
+    import signal
     import time
 
     import torch
     import torch.distributed as dist
 
     if rank == bad_rank:
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
         if hang:
             time.sleep(3600)
         raise RuntimeError(f"rank {rank} failed on purpose")

@@ -1,0 +1,172 @@
+"""tfcli bench --nproc's launcher and torchrun: ranks under torchrun (one JSON document, from rank
+0), --nproc against WORLD_SIZE, a killed rank named, no rank outliving a killed launcher, and
+the collective counter against torch's CommDebugMode."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """Live ``python -m tfcli.dist.launch`` children of ``pid`` (zombies are ended)."""
+    out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid=,stat=,args="],
+                         capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()
+            if "tfcli.dist.launch" in line and line.split()[1][0] != "Z"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _threads(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("Threads:")))
+
+
+def test_torchrun_two_gloo_ranks(tmp_path):
+    """``torchrun --nproc-per-node 2 -m tfcli bench``: each process is one rank (none spawned),
+    parity holds, and only rank 0 prints (one JSON document) and writes the CSV."""
+    out_csv = tmp_path / "ranks.csv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "tfcli", "bench", "--what", "model", "-p", "tiny", "--strategy", "fsdp",
+           "--backend", "gloo", "--seq-lens", "16", "--batch-size", "2", "--json",
+           "--csv", str(out_csv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = json.loads(done.stdout)  # one document: rank 1 printed nothing
+    records = document["records"]
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert r["world_size"] == 2 and r["strategy"] == "fsdp" and r["backend"] == "gloo"
+        assert r["parity"] and r["parity_grad_max_abs_err"] < 1e-5, r
+        assert r["steps"] == 5 and r["median_s"] > 0 and r["peak_bytes"] > 0
+        assert r["comm_counts"]["_allgather_base_"] > 0
+    assert document["conditions"]["launch"] == "torchrun"
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    assert json.loads(rows[0]["comm_bytes"]) == records[0]["comm_bytes"]
+    assert list(tmp_path.iterdir()) == [out_csv]  # nothing else written, no temporary left
+
+
+TORCHRUN_ENV = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "1"}  # never reached: refused before the process group
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--what", "model", "--nproc", "3"],
+     "--nproc 3 under torchrun with WORLD_SIZE=2: leave --nproc out, or make them equal"),
+    ([], "under torchrun (WORLD_SIZE=2), bench runs training steps of the model on each rank"),
+])
+def test_under_torchrun_bad_input_is_one_line_from_rank_0(cli, monkeypatch, args, message):
+    for name, value in {**TORCHRUN_ENV, "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    result = cli("bench", "-p", "tiny", "--seq-lens", "16", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv("RANK", "1")  # the other ranks refuse too, without a word
+    result = cli("bench", "-p", "tiny", "--seq-lens", "16", *args)
+    assert result.exit_code == 2 and result.stderr.strip() == ""
+
+
+def test_a_killed_rank_is_named_and_no_rank_is_left():
+    """Rank 1 dies by SIGKILL (as by the OOM killer), writing no traceback, while rank 0 waits
+    in an all-reduce: rank 1 is named, and rank 0 is ended."""
+    from tfcli.dist.launch import RankError, run_ranks
+    from tfcli.dist.workers import fail_rank
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 of 2 failed: killed by signal 9") as error:
+        run_ranks(fail_rank, 2, (1, False, True), timeout=60)
+    assert error.value.rank == 1 and error.value.exit_code == 1
+    assert time.monotonic() - start < 30
+    assert _ranks_of(os.getpid()) == []
+
+
+def test_ranks_end_when_the_launcher_is_killed():
+    """SIGKILL gives the launcher no chance to end its ranks (one asleep, one in a collective):
+    they notice that their parent is gone and end themselves."""
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        from tfcli.dist.launch import run_ranks
+        from tfcli.dist.workers import fail_rank
+        run_ranks(fail_rank, 2, (1, True), timeout=120)
+        """)])
+    try:
+        deadline = time.monotonic() + 60
+        # both in the process group (gloo's threads started): one in all_reduce, one asleep
+        while not (len(ranks := _ranks_of(launcher.pid)) == 2 and
+                   all(_threads(pid) >= 5 for pid in ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ranks) == 2 and all(_threads(pid) >= 5 for pid in ranks)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in ranks)
+
+
+def test_collective_counter_agrees_with_comm_debug_mode():
+    """On the fake process group (world 2, one process): per collective, the calls that bench's
+    dispatch counter sees in one FSDP2 or tensor-parallel step equal CommDebugMode's. Each
+    layer's dropout module (p = 0) is taken out first: CommDebugMode's module tracker fails on a
+    module called twice in one forward."""
+    code = textwrap.dedent("""
+        import json, warnings
+        warnings.simplefilter("ignore")
+        import torch.distributed as dist
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from tfcli.dist.bench import _CollectiveBytes
+        from tfcli.dist.workers import _layers, prepare
+        from tfcli.model.presets import get_preset
+
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        cfg = {**get_preset("tiny").to_dict(), "dropout": 0.0}
+        out = {}
+        for strategy in ("fsdp", "tp"):
+            model, runner, subject, inputs = prepare(0, 2, strategy, cfg, 2, 16)
+            for layer in _layers(model):
+                del layer.dropout
+                layer.dropout = lambda x: x
+            step = lambda: subject.loss(inputs(runner)).backward()
+            step()  # warm-up: lazy initialisation
+            own = _CollectiveBytes()
+            with own.mode:
+                step()
+            with CommDebugMode() as theirs:
+                step()
+            out[strategy] = [own.calls, {getattr(op, "__name__", str(op)).split(".")[-1]: n
+                                         for op, n in theirs.get_comm_counts().items()}]
+        print(json.dumps(out))
+        """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for strategy, (own, theirs) in out.items():
+        assert own == theirs and own, (strategy, own, theirs)
+    assert set(out["fsdp"][0]) == {"_allgather_base_", "_reduce_scatter_base_"}
+    assert set(out["tp"][0]) == {"all_reduce"}
