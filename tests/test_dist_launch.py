@@ -90,6 +90,14 @@ def test_under_torchrun_bad_input_is_one_line_from_rank_0(cli, monkeypatch, args
     assert result.exit_code == 2 and result.stderr.strip() == ""
 
 
+def test_context_parallelism_is_refused_in_one_line(cli):
+    result = cli("bench", "--what", "model", "-p", "tiny", "--nproc", "2", "--strategy", "cp",
+                 "--batch-size", "2", "--seq-lens", "16")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--strategy cp: not benchmarked; torch's context_parallel shards only the CUDA" in \
+        result.stderr
+
+
 def test_a_killed_rank_is_named_and_no_rank_is_left():
     """Rank 1 dies by SIGKILL (as by the OOM killer), writing no traceback, while rank 0 waits
     in an all-reduce: rank 1 is named, and rank 0 is ended."""
@@ -101,6 +109,20 @@ def test_a_killed_rank_is_named_and_no_rank_is_left():
         run_ranks(fail_rank, 2, (1, False, True), timeout=60)
     assert error.value.rank == 1 and error.value.exit_code == 1
     assert time.monotonic() - start < 30
+    assert _ranks_of(os.getpid()) == []
+
+
+def test_a_hung_rank_is_named_not_the_rank_waiting_for_it():
+    """Rank 1 sleeps while rank 0 waits in an all-reduce: at the deadline their stacks say
+    which one the other waits for."""
+    from tfcli.dist.launch import RankError, run_ranks
+    from tfcli.dist.workers import fail_rank
+
+    with pytest.raises(RankError) as error:
+        run_ranks(fail_rank, 2, (1, True), timeout=10)
+    assert error.value.rank == 1
+    assert str(error.value).startswith("rank(s) 1 of 2 did not finish within 10 s (rank 1 at ")
+    assert "in fail_rank); rank(s) 0 waited for it in a collective" in str(error.value)
     assert _ranks_of(os.getpid()) == []
 
 

@@ -201,6 +201,10 @@ def records_of(ranks: list[list[dict]], backend: str, device: str, batch: int,
 def _check(cfg_dict: dict, nproc: int, strategy: str, batch: int) -> None:
     from tfcli.dist.workers import STRATEGIES
 
+    if strategy == "cp":  # torch 2.13: ring attention replaces only flash/efficient/cuDNN SDPA
+        raise TfcliError("--strategy cp: not benchmarked; torch's context_parallel shards only "
+                         "the CUDA SDPA kernels, so no CPU rank can run it (per-rank memory: "
+                         "tfcli params --parallel cp=C)")
     if strategy not in STRATEGIES:
         raise TfcliError(f"--strategy {strategy!r}: choose {', '.join(STRATEGIES)}")
     if nproc < 1:

@@ -53,6 +53,12 @@ def _entry(spec: dict) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     _end_with_parent(spec["parent"])
+    import faulthandler
+    import signal
+
+    # the parent asks a rank that is late where it is (SIGUSR1): asleep, computing, or
+    # waiting in a collective for a peer
+    faulthandler.register(signal.SIGUSR1, file=(out / f"rank{rank}.stack").open("w"))
     # The traceback is written the moment the rank fails, before the process group is torn
     # down: tearing it down makes the peers fail too, and the first file names the cause.
     err = out / f"rank{rank}.err"
@@ -111,9 +117,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
                 if any(p.returncode not in (None, 0) for p in procs):
                     _raise_first_failure(procs, out)
                 if time.monotonic() > deadline:
-                    late = [r for r, p in enumerate(procs) if p.poll() is None]
-                    raise RankError(late[0], f"rank(s) {', '.join(map(str, late))} of {world} "
-                                             f"did not finish within {timeout:g} s")
+                    _raise_late(procs, out, timeout)
                 time.sleep(0.05)
             if any(p.returncode != 0 for p in procs):
                 _raise_first_failure(procs, out)
@@ -139,6 +143,32 @@ def _raise_first_failure(procs: list[subprocess.Popen], out: str) -> None:
         rank = int(errors[0].stem[4:])
         detail = errors[0].read_text().strip().splitlines()[-1]
     raise RankError(rank, f"rank {rank} of {len(procs)} failed: {detail}")
+
+
+def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float) -> None:
+    """Name the late rank that is not waiting in a collective (its Python stack, dumped on
+    request, is outside torch.distributed): the others wait for it. If every late rank waits
+    in one (a deadlock) or none answers, name them all."""
+    import signal
+
+    late = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in late:
+        procs[r].send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    stacks = {r: (Path(out) / f"rank{r}.stack").read_text() for r in late}
+    waiting = [r for r in late if f"torch{os.sep}distributed{os.sep}" in stacks[r]]
+    stuck = [r for r in late if r not in waiting and stacks[r].strip()]
+    names = ", ".join(map(str, stuck or late))
+    message = f"rank(s) {names} of {len(procs)} did not finish within {timeout:g} s"
+    if stuck and waiting:
+        import re
+
+        threads = re.split(r"^(?:Current thread|Thread) .*$", stacks[stuck[0]], flags=re.M)
+        frames = [line.strip() for block in threads if " in watch" not in block
+                  for line in block.splitlines() if line.strip().startswith("File")]
+        message += (f" (rank {stuck[0]} at {frames[0] if frames else '?'}); rank(s) "
+                    f"{', '.join(map(str, waiting))} waited for it in a collective")
+    raise RankError((stuck or late)[0], message)
 
 
 def _end(procs: list[subprocess.Popen]) -> None:
