@@ -341,7 +341,8 @@ def _start_gloo() -> None:
     launch in which rank 1 fails while rank 0 waits in a collective."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
     start_python("gloo", f"""
-        import json, multiprocessing, time
+        import json, os, time
+        from pathlib import Path
         from tfcli.dist.bench import run
         from tfcli.dist.launch import RankError, run_ranks
         from tfcli.dist.workers import fail_rank
@@ -350,20 +351,31 @@ def _start_gloo() -> None:
         out = {{"records": run({cfg!r}, 2, ["ddp", "fsdp", "tp"], "gloo", 4, [16], steps=2,
                                timeout=120)}}
         out["numel"] = sum(p.numel() for p in build_model(Config(**{cfg!r})).parameters())
+
+        def children():  # live processes whose parent is this one (ranks are subprocesses)
+            alive = 0
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(") ", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                alive += fields[0] != "Z" and int(fields[1]) == os.getpid()
+            return alive
+
         start = time.monotonic()
         try:
             run_ranks(fail_rank, 2, (1,), timeout=60)
             out["fail"] = ["no error", None]
         except RankError as err:
             out["fail"] = [str(err), err.rank]
-        out["fail"] += [len(multiprocessing.active_children()), time.monotonic() - start]
+        out["fail"] += [children(), time.monotonic() - start]
         start = time.monotonic()
         try:
             run_ranks(fail_rank, 2, (1, True), timeout=8)  # rank 1 hangs
             out["hang"] = ["no error"]
         except RankError as err:
             out["hang"] = [str(err)]
-        out["hang"] += [len(multiprocessing.active_children()), time.monotonic() - start]
+        out["hang"] += [children(), time.monotonic() - start]
         print(json.dumps(out))
         """)
 
@@ -402,7 +414,8 @@ def test_a_failing_rank_ends_every_rank_and_is_named(gloo):
 
 def test_a_hung_rank_is_ended_at_the_timeout(gloo):
     message, alive, seconds = gloo["hang"]
-    assert "did not finish within 8 s" in message and "1" in message
+    assert "rank(s) 1 of 2 did not finish within 8 s" in message  # the hung one, not rank 0
+    assert "rank(s) 0 waited for it" in message
     assert alive == 0 and seconds < 8 + 15  # + terminate, then kill after 5 s
 
 
