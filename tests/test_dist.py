@@ -192,8 +192,9 @@ def _cfg(name: str):
 @pytest.fixture(scope="module")
 def tracked():
     """In one fresh process, on torch.distributed's fake process group: FSDPMemTracker's
-    figures for both configurations at N = 1, 2, 8, and the local parameter counts of torch's
-    Colwise/RowwiseParallel shards at t = 2."""
+    figures for both configurations at N = 1, 2, 8, MemTracker's activations per layer under
+    torch's Colwise/RowwiseParallel at t = 2, 4, and the local parameter counts of those shards
+    at t = 2."""
     _start_gloo()
     tp_cfg = _cfg("llama").replace(n_decoder_layers=2).to_dict()
     start_python("tracked", f"""
@@ -201,7 +202,7 @@ def tracked():
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from tfcli.dist.measure import fsdp_fake_memory
+        from tfcli.dist.measure import fsdp_fake_memory, tp_fake_layer_activations
         from tfcli.dist.workers import tensor_parallel
         from tfcli.model.config import Config
         from tfcli.model.presets import get_preset
@@ -213,6 +214,8 @@ def tracked():
             for n in (1, 2, 8):
                 for b, s in {SIZES!r}:
                     out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory(cfg, n, b, s)
+            for t in (2, 4):
+                out[f"{{name}}/tp{{t}}"] = tp_fake_layer_activations(cfg, t, 2, 64)
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
         model = build_model(Config(**{tp_cfg!r}), "cpu")
         tensor_parallel(model, init_device_mesh("cpu", (2,)))
@@ -273,6 +276,21 @@ def test_tp_plan_agrees_with_torch_parallelize_module(tracked):
     mine = stage_params(_cfg("llama").replace(n_decoder_layers=2), Parallel(tp=2))[0].by_part
     assert (mine["attention"], mine["ffn"]) == (tracked["tp2"]["attention"],
                                                 tracked["tp2"]["ffn"])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("t", [2, 4])
+def test_tp_activations_per_layer_agree_with_mem_tracker(tracked, name, t):
+    """Each layer of torch's tensor-parallel model (DTensor, Colwise/RowwiseParallel, no
+    sequence parallelism) keeps what tfcli's replay of one rank's share keeps per layer."""
+    from tfcli.dist.activations import kept_per_layer, replay_share
+
+    cfg, par = _cfg(name), Parallel(tp=t, sp=False)
+    kept, _ = kept_per_layer(cfg, par, replay_share(cfg, t, 2, 64), 2, 64, "none", 4)
+    measured = tracked[f"{name}/tp{t}"]
+    assert len(measured) == cfg.n_decoder_layers
+    for layer in measured:
+        assert layer == pytest.approx(kept, rel=0.01)
 
 
 @pytest.fixture(scope="module")

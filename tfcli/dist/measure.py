@@ -5,8 +5,9 @@ the root) on torch.distributed's fake process group — a world of N ranks in on
 collectives do nothing — and runs two training steps under FakeTensorMode (no memory is
 allocated) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts
 every live tensor into sharded/unsharded parameters, gradients, optimizer state, activations,
-temporaries and all-gather / reduce-scatter buffers. These are torch's figures, not tfcli's: the
-tests hold :mod:`tfcli.dist.plan` to them.
+temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
+the same for tensor parallelism (``parallelize_module``) with torch's ``MemTracker``. These are
+torch's figures, not tfcli's: the tests hold :mod:`tfcli.dist.plan` to them.
 """
 
 from __future__ import annotations
@@ -66,5 +67,51 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[
                         tracker.reset_mod_stats()
             snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
         return snapshots
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> list[int]:
+    """What each layer keeps for backward on rank 0 of ``t`` fake tensor-parallel ranks: torch's
+    ``parallelize_module`` with Colwise/RowwiseParallel (no sequence parallelism) applied as
+    ``tfcli bench --strategy tp`` does, one forward under FakeTensorMode traced by
+    ``torch.distributed._tools.mem_tracker.MemTracker``; per layer, its activation bytes after
+    its forward less before (torch's figures, which the tests hold the replay to)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tfcli.dist.workers import tensor_parallel
+    from tfcli.model.transformer import build_model
+    from tfcli.subjects.own import OwnSubject
+
+    if dist.is_initialized():
+        raise TfcliError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=t, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (t,))
+        subject = OwnSubject(cfg)
+        with FakeTensorMode():
+            model = build_model(cfg, "cpu")
+            tensor_parallel(model, mesh)
+            inputs = subject.make_inputs(model, {"B": batch, "S": seq_len, "T": seq_len}, "cpu")
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                loss = subject.loss(inputs(model))
+            layers = [m for stack in (model.encoder, model.decoder) if stack is not None
+                      for m in stack.layers]
+            out = []
+            for layer in layers:
+                snaps = tracker.memory_tracking[layer].snapshots
+
+                def act(state):
+                    (per_device,) = snaps[state][-1].values()
+                    return per_device[_MemRefType.ACT]
+                out.append(act(_ModState.POST_FW) - act(_ModState.PRE_FW))
+            del loss
+        return out
     finally:
         dist.destroy_process_group()
