@@ -249,7 +249,7 @@ TORCH_CASES: list[Case] = [
                                               "--batch-size", "1000000000", "--depth", "1"],
          0, stdout="encoder-decoder on meta"),
     Case("masks-60000", ["masks", "--preset", "gpt2-small", "--set", "max_seq_len=60000",
-                         "--tgt-lens", "60000"], 2, "needs an estimated"),
+                         "--tgt-lens", "60000"], 0, stdout="59999"),  # drawn elided
     Case("shapes-cpu-too-big", ["shapes", "--preset", "tiny", "--device", "cpu",
                                 "--batch-size", "10000000"], 2, "available on cpu (RLIMIT_AS)"),
     Case("shapes-cpu-max-memory", ["shapes", "--preset", "tiny", "--device", "cpu",
@@ -732,6 +732,10 @@ def test_no_eval_exec_pickle_or_shell_in_the_package():
                 if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and \
                         (func.value.id, func.attr) in banned_attrs:
                     found.append(f"{where} {func.value.id}.{func.attr}()")
+                # torch.distributed's *_object(_list) collectives pickle what they carry
+                if isinstance(func, ast.Attribute) and (func.attr.endswith("_object")
+                                                        or func.attr.endswith("_object_list")):
+                    found.append(f"{where} .{func.attr}()")
                 for kw in node.keywords:
                     if kw.arg == "shell" and not (isinstance(kw.value, ast.Constant)
                                                   and kw.value.value is False):
