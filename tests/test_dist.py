@@ -460,6 +460,11 @@ def test_nccl_without_gpus_is_refused_in_one_line():
      "n_heads=4, n_kv_heads=4 and d_ff=48 must be divisible by 3"),
     (["--what", "model", "-p", "tiny", "--nproc", "2", "--strategy", "pp", "--batch-size", "2"],
      "--strategy 'pp': choose ddp, fsdp, tp"),
+    # options the ranks do not read are refused, not ignored
+    (["--what", "model", "-p", "tiny", "--nproc", "2", "--kernels", "sdpa", "--threads", "1"],
+     "--kernels, --threads: not read by ranks"),
+    (["--what", "model", "-p", "tiny", "--nproc", "2", "--pass", "fwd"], "--pass: not read"),
+    (["--what", "model", "-p", "tiny", "--nproc", "2", "--min-time", "1"], "--min-time: not"),
 ])
 def test_bench_nproc_bad_input_is_one_line(cli, args, message):
     import torch

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list, print_json,
-                               resolve_subject, stdout)
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
+                               print_json, resolve_subject, stdout)
 from tfcli.cli._outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
@@ -32,6 +32,14 @@ BIG = 2**31 - 1  # sizes beyond this overflow index arithmetic long before they 
 
 class _WriteFailed(Exception):
     """An output could not be written mid-sweep: the sweep ends, the table is still printed."""
+
+
+_NOT_WITH_NPROC = {
+    "pass_": "--pass", "kernels": "--kernels", "device": "--device", "dtype": "--dtype",
+    "tokens": "--tokens", "tgt_len": "--tgt-len", "heads": "--heads", "head_dim": "--head-dim",
+    "kv_heads": "--kv-heads", "causal": "--causal", "threads": "--threads",
+    "min_time": "--min-time", "max_time": "--max-time", "calibrate": "--calibrate",
+    "plot": "--plot", "profile": "--profile", "max_memory": "--max-memory"}
 
 
 def _cpus() -> int:
@@ -145,8 +153,10 @@ def bench(
 
     if nproc is not None or strategy is not None or backend is not None or \
             torchrun_world() is not None:
+        # what the ranks' path does not read: a fixed number of training steps of the model
+        ignored = [option for name, option in _NOT_WITH_NPROC.items() if given(name)]
         return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out,
-                         csv_path)
+                         csv_path, ignored)
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
     chosen = _choices(kernels, "--kernels", allowed) if kernels is not None else allowed
