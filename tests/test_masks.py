@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,29 @@ def test_bad_options(cli, args, message):
     result = cli("masks", "--preset", "tiny", *args)
     assert result.exit_code == 2 and message in result.stderr, result.stderr
     assert result.stdout == ""
+
+
+TUTORIAL = ["--model", str(Path(__file__).parent.parent / "examples" / "tutorial_transformer.py")
+            + ":build", "--input", "src=int64[B,S]", "--input", "tgt=int64[B,T]"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "tiny", "--json", "--batch-index", "1"], "--json holds every sequence"),
+    ([*TUTORIAL, "--causal", "tgt"], "--causal names what --check verifies; add --check"),
+    ([*TUTORIAL, "--json", "--convention", "additive"], "--convention: shape the drawn grids"),
+    ([*TUTORIAL, "--json", "--max-grid", "8", "--batch-index", "1"],
+     "--batch-index 1 picks the sequence drawn"),
+])
+def test_options_that_would_do_nothing_are_refused(cli, args, message):
+    result = cli("masks", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_batch_index_still_picks_the_png_sequence_with_json(cli, tmp_path):
+    result = cli("masks", "--preset", "tiny", "--json", "--batch-index", "1", "--png",
+                 str(tmp_path / "m.png"))
+    assert result.exit_code == 0, result.stderr
 
 
 def test_side_the_model_does_not_have(cli):

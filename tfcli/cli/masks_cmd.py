@@ -92,10 +92,23 @@ def masks(
     from tfcli.render.masks import render_check, render_masks
 
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    from tfcli.cli._common import given as typed
+
+    if json_out and png is None and typed("batch_index"):
+        raise TfcliError(f"--batch-index {batch_index} picks the sequence drawn; --json holds "
+                         f"every sequence (use it with the table or --png)")
     if getattr(subject, "cfg", None) is None:
         if src_lens or tgt_lens or src_ids or tgt_ids:
             raise TfcliError("--src-lens/--tgt-lens/--src-ids/--tgt-ids describe tfcli's own "
                              "model's batch; for --model use --lengths NAME=N,N and --pad-id")
+        if causal and not check:
+            raise TfcliError("--causal names what --check verifies; add --check (without it "
+                             "the masks the model applied are drawn as they are)")
+        drawing = [o for n, o in (("convention", "--convention"), ("max_grid", "--max-grid"))
+                   if typed(n)]
+        if json_out and drawing:
+            raise TfcliError(f"{', '.join(drawing)}: shape the drawn grids; --json for --model "
+                             f"holds each captured mask whole, as booleans")
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
                    check, max_grid, json_out, max_memory)
         return
