@@ -14,6 +14,8 @@ import pytest
 from tfcli import __version__
 from tfcli.model.presets import PRESETS
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_version(cli):
     result = cli("--version")
@@ -101,6 +103,35 @@ def test_ctrl_c_in_any_command_is_one_line_and_130(cli, monkeypatch):
     monkeypatch.setattr(config_cmd, "resolve_config", interrupted)
     result = cli("config")
     assert result.exit_code == 130 and result.stderr == "tfcli: interrupted (Ctrl-C)\n"
+
+
+@pytest.mark.parametrize("sig,code,line", [("SIGINT", 130, "interrupted (Ctrl-C)"),
+                                            ("SIGTERM", 143, "terminated (SIGTERM)")])
+def test_a_signal_while_the_cli_is_still_importing_is_one_line(sig, code, line):
+    """The signal arrives (deterministically) while the entry point imports rich, before any
+    command's own handler exists: one line, no KeyboardInterrupt traceback from an import."""
+    script = f"""
+import os, signal, sys
+class SignalOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "rich":
+            os.kill(os.getpid(), signal.{sig})
+        return None
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["tfcli", "presets"]
+from tfcli._entry import main
+main()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == code and proc.stdout == ""
+    assert proc.stderr == f"tfcli: {line} while starting; nothing was written\n"
+
+
+def test_the_console_script_and_python_m_go_through_the_early_handler():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tfcli"] == "tfcli._entry:main"
+    assert "from tfcli._entry import main" in (ROOT / "tfcli" / "__main__.py").read_text()
 
 
 def test_ascii_stand_ins():

@@ -1,3 +1,3 @@
-from tfcli.cli import main
+from tfcli._entry import main
 
 main()
