@@ -204,6 +204,7 @@ def test_bad_options(cli, args, message):
     (["--freeze", "encoder.*", "--device-memory", "80GiB"],
      "--freeze is not modelled with --device-memory"),
     (["--parallel", "dp=2", "--depth", "1"], "--depth does nothing with --parallel"),
+    (["--depth", "4", "--expand", "--json"], "--depth, --expand: shape the table; --json"),
     (["--parallel", "dp=2", "--build-on", "cpu"], "--build-on does nothing with --parallel"),
     (["--inference", "--seq-len", "16", "--optimizer", "adam"],
      "--optimizer applies to training memory; --inference counts"),
@@ -292,19 +293,19 @@ def test_activations_for_an_assumed_kernel_match_the_profiler(kernel, backend):
 
 def test_params_peak_line_and_the_gpu_kernel(cli):
     data = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
-                          "2", "--depth", "0", "--json").stdout)
+                          "2", "--json").stdout)
     lines = {m["name"]: m for m in data["memory"]}
     parts = sum(m["bytes"] for m in data["memory"] if not m["summary"])
     peak = lines["peak of a training step"]
     assert peak["summary"] and peak["bytes"] < parts  # gradients and activations do not add up
     assert lines["activations: attention matrices"]["bytes"] > 0  # CPU, dropout 0.1: math
     gpu = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
-                         "2", "--depth", "0", "--device", "cuda", "--json").stdout)
+                         "2", "--device", "cuda", "--json").stdout)
     gpu_lines = {m["name"]: m["bytes"] for m in gpu["memory"]}
     assert gpu_lines["activations: attention matrices"] == 0  # a fused GPU kernel stores none
     assert "kernel: efficient, on cuda" in gpu["activations_method"]  # fp32: not flash
     kept = json.loads(cli("params", "--preset", "gpt2-small", "--seq-len", "128", "--batch-size",
-                          "2", "--depth", "0", "--keep-grads", "--json").stdout)
+                          "2", "--keep-grads", "--json").stdout)
     kept_peak = {m["name"]: m["bytes"] for m in kept["memory"]}["peak of a training step"]
     assert kept_peak > peak["bytes"]
 
@@ -312,7 +313,7 @@ def test_params_peak_line_and_the_gpu_kernel(cli):
 @pytest.mark.parametrize("preset,gib", [("llama-2-7b", 2.0), ("llama-3-8b", 0.5)])
 def test_inference_kv_cache(cli, preset, gib):
     result = cli("params", "--preset", preset, "--inference", "--seq-len", "4096",
-                 "--batch-size", "1", "--dtype", "fp16", "--depth", "0", "--json")
+                 "--batch-size", "1", "--dtype", "fp16", "--json")
     assert result.exit_code == 0, result.stderr
     lines = {m["name"]: m["bytes"] for m in json.loads(result.stdout)["memory"]}
     assert lines["KV cache"] == gib * 2**30

@@ -182,6 +182,7 @@ def test_expand_shows_every_layer(cli):
     (["--src-lens", "3"], "give 2 lengths (--batch-size), each in 0..9"),
     (["--src-lens", "3,x"], "--src-lens '3,x': expected non-negative integers"),
     (["--depth", "-1"], "Invalid value for '--depth'"),
+    (["--expand", "--json"], "--expand: shape the table; --json holds every module whole"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),
     (["--tgt-len", "0"], "Invalid value for '--tgt-len'"),
     (["--tgt-lens", "9,1"], "each in 0..7 (--tgt-len)"),

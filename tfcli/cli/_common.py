@@ -135,6 +135,15 @@ def given(name: str) -> bool:
                       ParameterSource.PROMPT)
 
 
+def refuse_table_options(json_out: bool) -> None:
+    """--depth and --expand shape the table; the JSON holds every module whatever they are."""
+    typed = [option for name, option in (("depth", "--depth"), ("expand", "--expand"))
+             if given(name)]
+    if json_out and typed:
+        raise TfcliError(f"{', '.join(typed)}: shape the table; --json holds every module "
+                         f"whole (drop {'them' if len(typed) > 1 else 'it'}, or drop --json)")
+
+
 # The letters each size option sets; L (an input's one length) follows --src-len.
 SIZE_LETTERS = {"--batch-size": ("B",), "--src-len": ("S", "L"), "--tgt-len": ("T",)}
 

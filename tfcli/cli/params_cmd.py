@@ -130,6 +130,9 @@ def params(
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
+    from tfcli.cli._common import refuse_table_options
+
+    refuse_table_options(json_out)
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)

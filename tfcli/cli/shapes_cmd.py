@@ -9,8 +9,8 @@ import typer
 
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
-                               int_list, max_seq_len_hint, print_json, refuse_unused_sizes,
-                               resolve_subject, sizes, stdout)
+                               int_list, max_seq_len_hint, print_json, refuse_table_options,
+                               refuse_unused_sizes, resolve_subject, sizes, stdout)
 from tfcli.errors import TfcliError
 
 
@@ -58,6 +58,7 @@ def shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
+    refuse_table_options(json_out)
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     _check_device(device.value)
     refuse_unused_sizes(subject, {option: value for option, value, name in (
