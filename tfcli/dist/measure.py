@@ -12,8 +12,28 @@ torch's figures, not tfcli's: the tests hold :mod:`tfcli.dist.plan` to them.
 
 from __future__ import annotations
 
+import contextlib
+
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
+
+
+@contextlib.contextmanager
+def _fake_world(world: int):
+    """torch.distributed's fake process group of ``world`` ranks in this process (this one
+    rank 0), and its one-dimensional device mesh; torn down afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TfcliError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        # The mesh reads its rank table with .tolist(): build it before fake tensors exist.
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
 
 
 def _by_name(snapshot: dict) -> dict[str, int]:
@@ -26,22 +46,14 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[
     sharded gradients present) and ``peak``, each {category: bytes} as the tracker names them
     ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...)."""
     import torch
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from tfcli.model.transformer import build_model
     from tfcli.subjects.own import OwnSubject
 
-    if dist.is_initialized():
-        raise TfcliError("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
-        # The mesh reads its rank table with .tolist(): build it before fake tensors exist.
-        mesh = init_device_mesh("cpu", (world,))
+    with _fake_world(world) as mesh:
         subject = OwnSubject(cfg)
         with FakeTensorMode():
             model = build_model(cfg, "cpu")
@@ -67,8 +79,6 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[
                         tracker.reset_mod_stats()
             snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
         return snapshots
-    finally:
-        dist.destroy_process_group()
 
 
 def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> list[int]:
@@ -77,21 +87,14 @@ def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> 
     ``tfcli bench --strategy tp`` does, one forward under FakeTensorMode traced by
     ``torch.distributed._tools.mem_tracker.MemTracker``; per layer, its activation bytes after
     its forward less before (torch's figures, which the tests hold the replay to)."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from tfcli.dist.workers import tensor_parallel
     from tfcli.model.transformer import build_model
     from tfcli.subjects.own import OwnSubject
 
-    if dist.is_initialized():
-        raise TfcliError("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=t, store=FakeStore())
-    try:
-        mesh = init_device_mesh("cpu", (t,))
+    with _fake_world(t) as mesh:
         subject = OwnSubject(cfg)
         with FakeTensorMode():
             model = build_model(cfg, "cpu")
@@ -113,5 +116,3 @@ def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> 
                 out.append(act(_ModState.POST_FW) - act(_ModState.PRE_FW))
             del loss
         return out
-    finally:
-        dist.destroy_process_group()
