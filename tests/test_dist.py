@@ -526,11 +526,37 @@ def test_params_fit_batch_is_the_largest_that_fits(cli):
     (["--parallel", "tp=5"], "n_heads=12 is not divisible by 5"),
     (["--parallel", "cp=3", "--seq-len", "64"], "not divisible by cp=3"),
     (["--parallel", "dp=2", "--inference", "--seq-len", "64"], "--inference is for one device"),
+    # options that would change nothing here
+    (["--parallel", "sp=1"], "sp=1 applies with tp > 1"),
+    (["--parallel", "dp=2", "--micro-batches", "4", "--seq-len", "64"],
+     "--micro-batches 4: micro-batches in flight matter to pipeline stages"),
+    (["--checkpointing", "full"], "--checkpointing changes the activations, which need a length"),
+    (["--parallel", "dp=2", "--mixed-precision", "bf16"], "--mixed-precision changes the"),
 ])
 def test_params_parallel_bad_input_is_one_line(cli, args, message):
     result = cli("params", "-p", "gpt2-small", *args)
     assert result.exit_code == 2, result.stdout
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(cli):
+    base = ["params", "-p", "tiny", "--parallel", "dp=2"]
+    none = cli(*base, "--fit", "batch", "--seq-len", "64", "--device-memory", "1KB", "--json")
+    data = json.loads(none.stdout)
+    assert data["fit"]["largest"] is None and data["conditions"]["micro_batch"] == 1
+    assert not data["device"]["fits"]
+    text = cli(*base, "--fit", "batch", "--seq-len", "64", "--device-memory", "1KB").stdout
+    assert "nothing fits: even batch = 1 exceeds the device; the table is at batch = 1" in text
+    capped = cli(*base, "--fit", "seq-len", "--device-memory", "1GB").stdout  # max_seq_len 64
+    assert "largest seq-len that fits: 64; that is the model's max_seq_len" in capped
+    stepped = cli(*base, "--fit", "seq-len", "--device-memory", "1GB", "--set",
+                  "max_seq_len=100000")
+    assert "(lengths in steps of 64)" in stepped.stdout, stepped.stderr
+
+
+def test_pipeline_buffers_need_a_length(cli):
+    result = cli("params", "-p", "tiny", "--parallel", "pp=2", "--json")
+    assert "pipeline send/recv" not in {line["name"] for line in json.loads(result.stdout)["lines"]}
 
 
 def test_params_parallel_refuses_a_model_it_cannot_split(cli, tmp_path):

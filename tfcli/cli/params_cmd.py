@@ -257,6 +257,13 @@ def _refuse_what_does_nothing(subject, per_rank: str | None, batch_size: int,
         if given(name) and not sized:
             raise TfcliError(f"{option} sizes the activation lines, which need a length: add "
                              f"--seq-len L")
+    # without a length only the model states are given, which these do not change
+    for option, name in (("--mixed-precision", "mixed_precision"),
+                         ("--checkpointing", "checkpointing"),
+                         ("--micro-batches", "micro_batches")):
+        if given(name) and not sized:
+            raise TfcliError(f"{option} changes the activations, which need a length: add "
+                             f"--seq-len L (model states are the same with or without it)")
     if seq_len is not None and given("batch_size"):
         refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
     if inference:

@@ -74,6 +74,9 @@ def parse_parallel(text: str) -> Parallel:
             raise TfcliError(f"--parallel: sp={value} must be 0 or 1")
         if key not in ("zero", "sp") and value < 1:
             raise TfcliError(f"--parallel: {key}={value} must be a positive integer")
+    if "sp" in values and values.get("tp", 1) == 1:
+        raise TfcliError(f"--parallel: sp={values['sp']} applies with tp > 1 (sequence "
+                         f"parallelism splits what tensor parallelism leaves replicated)")
     values["sp"] = bool(values.get("sp", 1))
     return Parallel(**values)
 

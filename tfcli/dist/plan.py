@@ -257,7 +257,7 @@ def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, sb: StateBytes,
         out.append(Line("DDP gradient buckets", st.total * sb.grads,
                         "a second copy of the gradients in all-reduce buckets (DDP's default; "
                         "0 with gradient_as_bucket_view=True)", "communication"))
-    if par.pp > 1 and batch:
+    if par.pp > 1 and batch and s_local:
         size = batch * s_local * cfg.d_model * e // (par.tp if par.sp and par.tp > 1 else 1)
         out.append(Line("pipeline send/recv", 2 * size,
                         f"one activation received and one sent: 2 × b·s·d_model × {e} B",

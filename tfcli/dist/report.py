@@ -25,6 +25,9 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
         raise TfcliError("--fit needs --device-memory (e.g. 80GiB or H100) to fit into")
     if fit_what == "batch" and seq_len is None:
         raise TfcliError("--fit batch needs --seq-len: the length whose batch is searched")
+    if micro_batches is not None and par.pp == 1:
+        raise TfcliError(f"--micro-batches {micro_batches}: micro-batches in flight matter to "
+                         f"pipeline stages; add pp=P to --parallel (with pp=1 one is in flight)")
     if dtype == "int8" and not mixed:
         raise TfcliError("--parallel with --dtype int8: training needs a floating dtype")
     capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
@@ -34,17 +37,20 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
         return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
                     optimizer_states, kernel=kernel)
 
-    found = None
+    found = bound = None
+    step = 1
     if fit_what == "batch":
-        found = fit(lambda b: at(b, seq_len).need, capacity, 1, 1 << 16)
-        batch = found or batch
+        bound = 1 << 16
+        found = fit(lambda b: at(b, seq_len).need, capacity, 1, bound)
+        batch = found or 1  # when nothing fits, the plan at the smallest batch tried
     elif fit_what == "seq-len":
         # lengths each context-parallel rank can split evenly, in steps of 64 where the range
         # allows (what people train at; a dozen replays instead of two dozen)
         step = par.cp * (64 if limit >= 256 * par.cp else 1)
+        bound = limit // step * step
         best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
         found = best * step if best else None
-        seq_len = found or seq_len
+        seq_len = found or step
     if seq_len is not None and seq_len > limit:
         raise TfcliError(f"--seq-len {seq_len}: the per-rank plan goes up to {limit:,} for a "
                          f"model without positions" if cfg.positional == "none" else
@@ -59,7 +65,13 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                           "compared": "peak" if result.peak else "total",
                           "fits": result.need <= capacity}
     if fit_what is not None:
-        data["fit"] = {"what": fit_what, "largest": found,
+        data["fit"] = {"what": fit_what, "largest": found, "step": step, "bound": bound,
+                       "at_bound": found == bound,
+                       "bound_is": ("the largest batch searched" if fit_what == "batch" else
+                                    "the plan's limit for a model without positions"
+                                    if cfg.positional == "none" else
+                                    "the model's max_seq_len: a longer one needs --set "
+                                    "max_seq_len"),
                        "searched": "the per-rank peak of a step, assumed to grow with "
                                    f"{fit_what}: extrapolated, then galloping and bisection"
                                    + (f", lengths in steps of {step}" if fit_what == "seq-len"
@@ -109,14 +121,22 @@ def render(data: dict, console) -> None:
         notes.append("activations: not estimated (give --seq-len)")
     if "fit" in data:
         fit_ = data["fit"]
-        notes.append(f"largest {fit_['what']} that fits: {fit_['largest']}" if fit_["largest"]
-                     else f"nothing fits: even {fit_['what']} = 1 (or the smallest length) "
-                          f"exceeds the device")
+        what, step = fit_["what"], fit_["step"]
+        if fit_["largest"]:
+            notes.append(f"largest {what} that fits: {fit_['largest']:,}"
+                         + (f" (lengths in steps of {step})" if step > 1 else "")
+                         + (f"; that is {fit_['bound_is']}, so more may fit"
+                            if fit_["at_bound"] else ""))
+        else:
+            notes.append(f"nothing fits: even {what} = {step} exceeds the device; the table is "
+                         f"at {what} = {step}")
     if "device" in data:
         dev = data["device"]
-        verdict = "fits" if dev["fits"] else "does NOT fit"
-        notes.append(f"device {dev['name']}: headroom {human_bytes(dev['headroom_bytes'])} "
-                     f"below the {dev['compared']} ({verdict})")
+        room = dev["headroom_bytes"]
+        notes.append(f"device {dev['name']}: fits, {human_bytes(room)} to spare above the "
+                     f"{dev['compared']}" if dev["fits"] else
+                     f"device {dev['name']}: does NOT fit, {human_bytes(-room)} short of the "
+                     f"{dev['compared']}")
     for note in notes:
         console.print(note)
 
