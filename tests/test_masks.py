@@ -183,6 +183,7 @@ def test_png(cli, tmp_path):
     (["--png", "out.jpg"], "the file name must end in .png"),
     (["--png", "/no/such/dir/m.png"], "no such directory"),
     (["--max-grid", "2"], "Invalid value for '--max-grid'"),
+    (["--max-grid", "1000000"], "less than or equal to 512"),  # would allocate the whole grid
     (["--pad-id", "x"], "Invalid value for '--pad-id'"),
     (["--batch-index", "-1"], "Invalid value for '--batch-index'"),
 ])

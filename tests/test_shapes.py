@@ -183,6 +183,8 @@ def test_expand_shows_every_layer(cli):
     (["--src-lens", "3,x"], "--src-lens '3,x': expected non-negative integers"),
     (["--depth", "-1"], "Invalid value for '--depth'"),
     (["--expand", "--json"], "--expand: shape the table; --json holds every module whole"),
+    (["--dim", "Q=3"], "--dim Q=3: no input of this model has a dimension Q (its inputs use B, S"),
+    (["--dim", "S=3", "--dim", "S=4"], "--dim S=3 and --dim S=4: S is given twice"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),
     (["--tgt-len", "0"], "Invalid value for '--tgt-len'"),
     (["--tgt-lens", "9,1"], "each in 0..7 (--tgt-len)"),
@@ -211,6 +213,9 @@ def test_bad_options(cli, args, message):
      "--src-len 99 exceeds max_seq_len=64; raise it with --set max_seq_len=99"),
     (["--preset", "bert-base", "--causal-flops"],
      "--causal-flops: this encoder-only model has no causal attention to count half of"),
+    (["--model", "examples/tutorial_transformer.py:build", "--input", "src=int64[B,S]",
+      "--input", "tgt=int64[B,T]", "--causal-flops"],
+     "--causal-flops halves the attention tfcli's own configuration makes causal"),
 ])
 def test_an_option_that_would_do_nothing_is_refused(cli, args, message):
     """Issue 11: an option given explicitly that sizes nothing the model's inputs use is

@@ -120,8 +120,17 @@ def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | Non
     for letter, option in options.items():
         if out[letter] > MAX_SIZE:  # beyond it, index arithmetic overflows even on meta
             raise TfcliError(f"{option} {out[letter]}: at most {MAX_SIZE:,}")
+    used = subject.dims_used()
+    seen: dict[str, str] = {}
     for text in dims or []:
         name, value = parse_dim(text)
+        if name in seen:
+            raise TfcliError(f"--dim {seen[name]} and --dim {text}: {name} is given twice; "
+                             f"give it once")
+        if name not in used:
+            raise TfcliError(f"--dim {text}: no input of this model has a dimension {name} "
+                             f"(its inputs use {', '.join(used)})")
+        seen[name] = text
         out[name] = value
     return out
 

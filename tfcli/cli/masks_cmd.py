@@ -72,7 +72,7 @@ def masks(
         "--check", help="Run the model's attention on the batch and verify it obeys the masks "
                         "(exit code 1 if not).")] = False,
     max_grid: Annotated[int, typer.Option(
-        min=4, help="Positions drawn a side at most (fewer if the terminal is narrower): the "
+        min=4, max=512, help="Positions drawn a side at most (fewer if the terminal is narrower): the "
                     "first and last, with … between. --json and --png hold every cell up to "
                     "512 a side, beyond that this many.")] = 32,
     png: Annotated[Optional[Path], typer.Option(

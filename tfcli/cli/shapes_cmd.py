@@ -66,6 +66,9 @@ def shapes(
         ("--tgt-len", tgt_len, "tgt_len")) if given(name)}, dim)
     dims = sizes(subject, batch_size, src_len, tgt_len, dim)
     cfg = getattr(subject, "cfg", None)
+    if causal_flops and cfg is None:
+        raise TfcliError("--causal-flops halves the attention tfcli's own configuration makes "
+                         "causal; for --model the FLOPs are counted as the model runs them")
     if causal_flops and cfg is not None and not cfg.has_decoder:
         raise TfcliError(f"--causal-flops: this {cfg.kind} model has no causal attention to "
                          f"count half of")
