@@ -202,9 +202,11 @@ def max_seq_len_hint(length: int) -> str:
 
 def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int]:
     """Parse "5,3" for options that take integers per sequence or per length."""
-    try:
-        values = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
+    parts = text.replace(" ", "").split(",")
+    # ASCII digits only: int() also takes "６４" and "6_4", which no one means as a length
+    if all(part.isascii() and part.isdigit() for part in parts):
+        values = [int(part) for part in parts]
+    else:
         values = []
     if not values or any(v < minimum for v in values):
         kind = "positive integers" if minimum > 0 else "non-negative integers"
