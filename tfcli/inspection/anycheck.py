@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from tfcli.errors import TfcliError
 from tfcli.inspection.ops import Op, OpObserver
-from tfcli.subjects.base import Inputs, primary_output
+from tfcli.subjects.base import Inputs, RunFailed, primary_output, running
 
 TOLERANCE = 1e-5  # relative to the output's largest magnitude: same arithmetic, other shapes
 
@@ -89,7 +89,7 @@ def run_and_capture(model: nn.Module, inputs: Inputs) -> tuple[Tensor, list[Seen
                                    op))
 
     try:
-        with torch.no_grad(), OpObserver(on_op, keep_values=True):
+        with running(model), torch.no_grad(), OpObserver(on_op, keep_values=True):
             output = primary_output(inputs(model))
     finally:
         for h in handles:
@@ -169,8 +169,8 @@ def check_any(model: nn.Module, inputs: Inputs, causal: list[str], lengths: dict
 
 
 def _call(model, inputs: Inputs):
-    with torch.no_grad():
-        return model(*inputs.args, **inputs.kwargs)
+    with running(model, during="on changed inputs, checking the masks"), torch.no_grad():
+        return inputs(model)
 
 
 def _mask_inputs(named: dict, name: str) -> list[str]:
@@ -231,10 +231,10 @@ def _padding_checks(model, inputs, named, output, name, lens, pad_id, high, scal
         grown = grown.replace(model, key, value)
     try:
         longer = primary_output(_call(model, grown))
-    except Exception as error:  # e.g. a position table no longer than the input
+    except RunFailed as failed:  # e.g. a position table no longer than the input
         return out + [Check(f"padding of {name}: length", None,
                             f"the model does not take {x.size(1) + grow} positions "
-                            f"({type(error).__name__})")]
+                            f"({type(failed.__cause__).__name__})")]
     if aligned:
         longer = longer[:, :x.size(1)]
     moved = _moved(longer, output, real)

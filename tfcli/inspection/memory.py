@@ -20,6 +20,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tfcli.subjects.base import running
+
+# Said when the model's own code fails in a replay: which run of it tfcli was doing.
+REPLAY = "in the fake-tensor replay that estimates memory"
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16, "int8": torch.int8}
@@ -136,10 +140,12 @@ def simulate_training_step(build: Callable[[], nn.Module],
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            with amp, attention_kernel(kernel), OpObserver(saved.on_op):
+            with running(model, during=REPLAY), amp, attention_kernel(kernel), \
+                    OpObserver(saved.on_op):
                 out = loss(inputs(model))
             sums = saved.sums()
-            out.backward()
+            with running(model, "backward pass", REPLAY):
+                out.backward()
             del out
     return ActivationEstimate(live.peak, sums)
 
@@ -236,9 +242,10 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with live:
-            with amp, attention_kernel(kernel):
+            with running(model, during=REPLAY), amp, attention_kernel(kernel):
                 out = loss(inputs(model))
-            out.backward()
+            with running(model, "backward pass", REPLAY):
+                out.backward()
             del out
             opt.step()
             opt.zero_grad(set_to_none=not keep_grads)
@@ -258,7 +265,7 @@ def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.M
         if not isinstance(inputs, Inputs):
             inputs = Inputs((), dict(inputs))
         live = _LiveStorages([*model.parameters(), *model.buffers(), *inputs.tensors()])
-        with live, torch.no_grad(), attention_kernel(kernel):
+        with live, torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
             out = inputs(model)
             del out
     return live.peak

@@ -40,7 +40,10 @@ class Inputs:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module):
-        return model(*self.args, **self.kwargs)
+        try:
+            return model(*self.args, **self.kwargs)
+        except SystemExit as exit_:  # the model's own exit: a failed run, not tfcli ending
+            raise ModelExited(f"the model called {exit_call(exit_)}") from None
 
     def tensors(self) -> list[Tensor]:
         return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, Tensor)]
@@ -242,6 +245,73 @@ class Subject:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         return "cpu", FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# --- a model someone else wrote, run by tfcli ---------------------------------------------------
+
+
+class RunFailed(TfcliError):
+    """The model's own code raised (or exited) while tfcli ran it: the input was fine, the run
+    failed (exit 1)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=1)
+
+
+class ModelExited(RuntimeError):
+    """The model called ``sys.exit()`` in its forward pass. As a SystemExit it would end tfcli
+    silently with the model's exit code; as an ordinary error it is reported like any other."""
+
+
+def exit_call(exit_: SystemExit) -> str:
+    """How the code that raised ``exit_`` called it: ``sys.exit(5)``, ``sys.exit()``."""
+    return "sys.exit()" if exit_.code is None else f"sys.exit({exit_.code!r:.100})"
+
+
+def error_text(error: BaseException, limit: int = 300, whole: bool = False) -> str:
+    """``Type: message`` on one line: the message's first line, or with ``whole`` all its
+    lines joined (for libraries that put the reason on the lines after a heading)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = " ".join(lines) if whole else (lines[0] if lines else "")
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def running(model: nn.Module, what: str = "forward pass", during: str = ""):
+    """Run ``model`` inside this block as tfcli runs code it did not write: an exception of
+    the model's own becomes :class:`RunFailed`, one line naming the module call under way and
+    its input shapes, as ``shapes`` reports a failed forward pass. tfcli's own errors and
+    running out of memory pass through unchanged. Hooks are removed in ``finally``."""
+    names = {id(m): path for path, m in model.named_modules()}
+    calls: list[str] = []  # the module calls under way, innermost last
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        shapes = [list(t.shape) if isinstance(t, Tensor) else None
+                  for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) or t is None]
+        calls.append(f"{names.get(id(module)) or '(model)'} ({type(module).__name__}) with "
+                     f"inputs {', '.join(str(s) for s in shapes)}")
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        calls.pop()  # returns None: a hook's value would replace the output
+
+    handles = [h for m in model.modules() for h in (
+        m.register_forward_pre_hook(enter, with_kwargs=True),
+        m.register_forward_hook(leave, with_kwargs=True))]
+    try:
+        yield
+    except (TfcliError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:
+        where = f" in {calls[-1]}" if calls else f" of {type(model).__name__}"
+        fake = type(error).__module__.startswith(("torch._subclasses", "torch.fx"))
+        hint = "; the replay runs the model on fake tensors, which hold no values" if fake else ""
+        raise RunFailed(f"{what} failed{where}: {error_text(error)}"
+                        + (f" ({during})" if during else "") + hint) from error
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
