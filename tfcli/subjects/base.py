@@ -108,9 +108,13 @@ def parse_input(text: str) -> InputSpec:
         else:
             raise TfcliError(f"--input {text!r}: each dimension is a letter bound by --dim "
                              f"(B, S, T, L, ...) or a positive integer up to 2**40, got {part!r}")
-    if high is not None and (DTYPES[dtype].is_floating_point or DTYPES[dtype] == torch.bool
-                             or int(high) < 1):
-        raise TfcliError(f"--input {text!r}: '<N' bounds integer token ids and needs N >= 1")
+    if high is not None and (DTYPES[dtype].is_floating_point or DTYPES[dtype] == torch.bool):
+        raise TfcliError(f"--input {text!r}: '<{high}' bounds the ids of an integer input "
+                         f"(int64, int32); a {dtype} input takes no bound, e.g. "
+                         f"{name}=int64[{dims_text.strip()}]<{high}, or drop '<{high}'")
+    if high is not None and int(high) < 1:
+        raise TfcliError(f"--input {text!r}: '<{high}' draws ids from 0 to N-1, so N must be "
+                         f"at least 1")
     return InputSpec(name, dtype, tuple(dims), int(high) if high else None)
 
 
