@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import importlib.util
 import re
 import sys
@@ -19,9 +20,10 @@ from typing import Any
 
 from torch import nn
 
-from tfcli.errors import TfcliError
-from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
-                                 embedding_limit, make_tensors, signature_text)
+from tfcli.errors import TfcliError, did_you_mean
+from tfcli.subjects.base import (InputSpec, Inputs, RunFailed, Subject, building,
+                                 check_inputs_fit, embedding_limit, error_text, exit_call, make_tensors,
+                                 signature_text)
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -50,11 +52,6 @@ def _where(error: BaseException, near: str | None = None) -> str:
     return f" ({frames[-1].filename}:{frames[-1].lineno})"
 
 
-def _error_text(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def import_object(ref: str):
     """Resolve ``file.py:NAME`` or ``package.module:NAME`` (NAME may be dotted)."""
     module_part, sep, attr = ref.rpartition(":")
@@ -74,18 +71,23 @@ def import_object(ref: str):
         sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
         try:
             spec.loader.exec_module(module)
+        except SystemExit as exit_:
+            sys.modules.pop(name, None)
+            raise _exited(ref, f"while {module_part} was imported", exit_, str(path)) from None
         except Exception as error:
             sys.modules.pop(name, None)
             raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
-                             f"{_error_text(error)}{_where(error, str(path))}") from None
+                             f"{error_text(error)}{_where(error, str(path))}") from None
     else:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as error:
             raise TfcliError(f"--model {ref!r}: no module named {error.name!r}") from None
+        except SystemExit as exit_:
+            raise _exited(ref, f"while {module_part} was imported", exit_) from None
         except Exception as error:
             raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
-                             f"{_error_text(error)}{_where(error)}") from None
+                             f"{error_text(error)}{_where(error)}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -114,17 +116,16 @@ class UserSubject(Subject):
         self._given: Inputs | None = None  # inputs the factory returned with the model
 
     def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
+        self._check_arguments()
         try:
             with building(device, dtype):
                 result = self._factory(**self.model_args)
         except TfcliError:
             raise
+        except SystemExit as exit_:
+            raise _exited(self.ref, "while it was built", exit_, self._file) from None
         except Exception as error:
-            on = " on the meta device" if str(device) == "meta" else ""
-            hint = ("; build it for real (shapes: --device cpu, params: --build-on cpu)" if on
-                    else "")
-            raise TfcliError(f"--model {self.ref}: calling it{on} raised {_error_text(error)}"
-                             f"{_where(error, self._file)}{hint}") from None
+            raise self._build_failed(error, device) from None
         model, given = result, None
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
             model, given = result
@@ -143,6 +144,73 @@ class UserSubject(Subject):
             _materialise(model, device)
         self._given = given
         return model
+
+    def _signature(self) -> inspect.Signature | None:
+        try:
+            return inspect.signature(self._factory)
+        except (TypeError, ValueError):  # some builtins and C extensions have none
+            return None
+
+    def _takes(self) -> str:
+        """``Linear(in_features: int, ...)``: what NAME takes, for a message."""
+        sig = self._signature()
+        name = getattr(self._factory, "__name__", self.ref.rpartition(":")[2])
+        text = (f"{name}{sig.replace(return_annotation=inspect.Signature.empty)}"
+                if sig is not None else f"{name}(...)")
+        return text if len(text) <= 200 else text[:197] + "..."
+
+    def _check_arguments(self) -> None:
+        """--model-arg values that do not fit NAME's signature are bad input, said before
+        anything runs: which parameters are missing or unknown, and how to give them."""
+        sig = self._signature()
+        if sig is None:
+            return
+        try:
+            sig.bind(**self.model_args)
+            return
+        except TypeError:
+            pass
+        kind = inspect.Parameter
+        params = sig.parameters
+        if not any(p.kind is kind.VAR_KEYWORD for p in params.values()):
+            for key in self.model_args:
+                if key not in params or params[key].kind is kind.POSITIONAL_ONLY:
+                    choices = [n for n, p in params.items()
+                               if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)]
+                    raise TfcliError(f"--model-arg {key}: {self.ref} takes no parameter "
+                                     f"{key!r}{did_you_mean(key, choices)}; it is "
+                                     f"{self._takes()}")
+        required = [n for n, p in params.items() if p.default is kind.empty
+                    and p.kind not in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD)
+                    and n not in self.model_args]
+        if any(params[n].kind is kind.POSITIONAL_ONLY for n in required):
+            raise TfcliError(f"--model {self.ref}: {self._takes()} needs positional-only "
+                             f"arguments, which --model-arg (keywords) cannot give; wrap it in "
+                             f"a function of keyword arguments")
+        if required:
+            raise TfcliError(f"--model {self.ref}: give {', '.join(required)} with --model-arg "
+                             f"NAME=VALUE (e.g. --model-arg {required[0]}=VALUE); it is "
+                             f"{self._takes()}")
+
+    def _build_failed(self, error: Exception, device) -> TfcliError:
+        """Why NAME(**model_args) raised, and what to change: the device, the --model-arg
+        values (exit 2), or nothing tfcli can say: the model's own code failed (exit 1)."""
+        where = _where(error, self._file)
+        own_frames = [f for f in traceback.extract_tb(error.__traceback__)
+                      if Path(f.filename).resolve() != Path(__file__).resolve()]
+        if str(device) == "meta" and "meta" in str(error):
+            return TfcliError(f"--model {self.ref}: building it on the meta device raised "
+                              f"{error_text(error)}{where}; build it for real (shapes: "
+                              f"--device cpu, params: --build-on cpu)")
+        if isinstance(error, TypeError) and not own_frames:  # the call itself did not bind
+            return TfcliError(f"--model {self.ref}: calling it raised {error_text(error)}; "
+                              f"give its arguments with --model-arg NAME=VALUE")
+        if self.model_args and isinstance(error, (TypeError, ValueError)):
+            given = ", ".join(f"{k}={v!r:.40}" for k, v in self.model_args.items())
+            return TfcliError(f"--model {self.ref}: calling it with {given} raised "
+                              f"{error_text(error)}{where}; check the --model-arg values: it "
+                              f"is {self._takes()}")
+        return RunFailed(f"--model {self.ref}: building it failed: {error_text(error)}{where}")
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
@@ -167,6 +235,11 @@ class UserSubject(Subject):
                                                      self.model_args.items()},
                 "inputs": [f"{s.name}={s.dtype}[{','.join(map(str, s.dims))}]"
                            for s in self.input_specs]}
+
+
+def _exited(ref: str, when: str, exit_: SystemExit, near: str | None = None) -> RunFailed:
+    return RunFailed(f"--model {ref}: the model called {exit_call(exit_)} {when}"
+                     f"{_where(exit_, near)}; tfcli reports it as a failed run")
 
 
 def _materialise(model: nn.Module, device) -> None:
