@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tfcli.errors import TfcliError
+from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
-                                 make_tensors)
+                                 error_text, make_tensors)
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absurd before reading
 
@@ -45,6 +45,21 @@ def _config_path(path_text: str) -> Path:
     return path
 
 
+def _check_model_type(tf, model_type, path_text: str) -> None:
+    """An unknown model_type in one line: Transformers' own message lists all of its several
+    hundred types."""
+    known = list(tf.CONFIG_MAPPING.keys())
+    if isinstance(model_type, str) and model_type in known:
+        return
+    if not isinstance(model_type, str):
+        raise TfcliError(f"--model hf:{path_text}: model_type {str(model_type)[:100]} is not "
+                         f"a string; it names a Transformers model type, e.g. \"gpt2\", "
+                         f"\"llama\"")
+    raise TfcliError(f"--model hf:{path_text}: Transformers {tf.__version__} knows no model_type "
+                     f"{model_type[:100]!r}{did_you_mean(model_type, known)}; it knows "
+                     f"{len(known)}, e.g. gpt2, llama, bert, t5 (a newer version may know more)")
+
+
 class HFSubject(Subject):
     kind = "hf"
     runs_on_meta = False
@@ -60,14 +75,14 @@ class HFSubject(Subject):
         if not isinstance(data, dict) or "model_type" not in data:
             raise TfcliError(f"--model hf:{path_text}: a Transformers config.json names its "
                              f"'model_type' (e.g. \"gpt2\", \"llama\")")
+        _check_model_type(tf, data["model_type"], path_text)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.config = tf.AutoConfig.for_model(**data)
-        except Exception as error:
-            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        except Exception as error:  # its validators put the reason on the following lines
             raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
-                             f"{type(error).__name__}: {text}") from None
+                             f"{error_text(error, whole=True)}") from None
         self.config._attn_implementation = "sdpa"
         self.model_class = self._choose_class(tf, class_name, path_text)
         self.label = f"hf:{path_text} ({self.model_class.__name__})"
@@ -101,9 +116,8 @@ class HFSubject(Subject):
             with building(device, dtype):
                 return self.model_class(self.config)
         except Exception as error:
-            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise TfcliError(f"--model {self.label}: building it raised {type(error).__name__}: "
-                             f"{text}") from None
+            raise TfcliError(f"--model {self.label}: building it raised "
+                             f"{error_text(error, whole=True)}") from None
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
