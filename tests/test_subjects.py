@@ -192,20 +192,24 @@ def write(tmp_path, text: str) -> str:
     return str(path)
 
 
-BAD_MODELS = {
+BAD_MODELS = {  # exit 2: what was given is wrong; exit 1: the model's own code failed
     "raises": ("def build():\n    raise ValueError('d_model must be even')\n",
-               ["ValueError: d_model must be even", "user_model.py:2"]),
-    "not_module": ("def build():\n    return 42\n", ["returned int", "nn.Module"]),
+               ["building it failed: ValueError: d_model must be even", "user_model.py:2"], 1),
+    "exits": ("def build():\n    import sys\n    sys.exit(5)\n",
+              ["the model called sys.exit(5) while it was built", "user_model.py:3"], 1),
+    "exits-on-import": ("import sys\nsys.exit('no GPU')\n",
+                        ["the model called sys.exit('no GPU') while", "user_model.py:2"], 1),
+    "not_module": ("def build():\n    return 42\n", ["returned int", "nn.Module"], 2),
     "bad_inputs": ("import torch\ndef build():\n    return torch.nn.Linear(2, 2), 5\n",
-                   ["example inputs", "dict"]),
+                   ["example inputs", "dict"], 2),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_MODELS))
 def test_bad_user_models(cli, tmp_path, case):
-    text, words = BAD_MODELS[case]
+    text, words, code = BAD_MODELS[case]
     result = cli("params", "--model", f"{write(tmp_path, text)}:build")
-    assert result.exit_code == 2, result.stdout
+    assert result.exit_code == code, result.stdout
     line = result.stderr.strip()
     assert "\n" not in line and "Traceback" not in result.stderr
     for word in words:
@@ -237,6 +241,10 @@ def test_bad_model_options(cli, args, words):
     ([*TUTORIAL[:2], "--input", "src=int65[B,S]"], "dtype 'int65'"),
     ([*TUTORIAL, "--dim", "S=-3"], "--dim"),
     ([*TUTORIAL[:2], "--input", "src=int64[B,Q]", "--input", "tgt=int64[B,T]"], "no size for Q"),
+    # '<N' bounds integer ids: on a float input the problem is the dtype, not N
+    ([*TUTORIAL[:2], "--input", "src=float32[B,S]<5"], "'<5' bounds the ids of an integer input"),
+    ([*TUTORIAL[:2], "--input", "src=bool[B,S]<5"], "a bool input takes no bound"),
+    ([*TUTORIAL[:2], "--input", "src=int64[B,S]<0"], "N must be at least 1"),
 ])
 def test_bad_inputs(cli, args, words):
     result = cli("shapes", *args)
@@ -248,10 +256,146 @@ def test_a_config_transformers_rejects(cli, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no-such-architecture"}))
     result = cli("params", "--model", f"hf:{path}")
-    assert result.exit_code == 2 and "Transformers rejects this config" in result.stderr
+    assert result.exit_code == 2 and "knows no model_type 'no-such-architecture'" in result.stderr
     path.write_text("{not json")
     result = cli("params", "--model", f"hf:{path}")
     assert result.exit_code == 2 and "not valid JSON" in result.stderr
+
+
+def test_an_unknown_model_type_is_one_short_line_with_a_suggestion(cli, tmp_path):
+    """Transformers' own message lists every model type it knows (~12,000 characters)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "lama", "hidden_size": 64}))
+    result = cli("params", "--model", f"hf:{path}")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "knows no model_type 'lama' (did you mean 'llama'?)" in result.stderr
+    assert len(result.stderr) < 400 and "gpt-sw3" not in result.stderr
+
+
+def test_a_config_validation_error_keeps_its_reason(cli, tmp_path):
+    """Transformers' validators put the reason on the lines after a heading that ends in ':'."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                "num_attention_heads": 5, "num_hidden_layers": 1,
+                                "intermediate_size": 64, "vocab_size": 100}))
+    result = cli("params", "--model", f"hf:{path}")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "Transformers rejects this config" in result.stderr
+    assert "not a multiple of the number of attention heads (5)" in result.stderr
+
+
+# --- the model's own code fails: a failed run (exit 1), one line naming it ------------------
+
+FAILING = """import sys
+import torch
+
+class Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise RuntimeError("boom in forward")
+
+class Quits(Boom):
+    def forward(self, x):
+        sys.exit(5)
+
+class BoomInside(Boom):
+    def forward(self, x):
+        return self.proj(x[..., :3])  # 3 features into a Linear(4, 4)
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+class BoomBackward(Boom):
+    def forward(self, x):
+        return _Raise.apply(self.proj(x))
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["params", "--seq-len", "4"],  # the fake-tensor replay of a training step
+    ["masks"],  # one forward pass, attention observed
+    ["masks", "--check"],
+    ["shapes"],
+], ids=lambda a: "-".join(a))
+@pytest.mark.parametrize("name,words", [
+    ("Boom", "forward pass failed in (model) (Boom) with inputs [B, 4]: "
+             "RuntimeError: boom in forward"),
+    ("Quits", "forward pass failed in (model) (Quits) with inputs [B, 4]: "
+              "ModelExited: the model called sys.exit(5)"),
+    ("BoomInside", "forward pass failed in proj (Linear) with inputs"),
+])
+def test_a_model_that_fails_when_run_is_a_failed_run(cli, tmp_path, args, name, words):
+    """Exit 1 and one line naming the module and the model's exception, whichever command
+    runs it (not exit 70, 'internal error'; not the model's own sys.exit code)."""
+    result = cli(*args, "--model", f"{write(tmp_path, FAILING)}:{name}",
+                 "--input", "x=float32[B,4]")
+    assert result.exit_code == 1, (result.exit_code, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "internal error" not in lines[0], lines
+    start, _, end = words.partition("[B, 4]")
+    assert start in lines[0] and end in lines[0], lines
+
+
+def test_replays_report_the_models_own_failure(tmp_path):
+    """Each replay (training step, whole step, inference forward) and each phase (forward,
+    backward) turns the model's exception into RunFailed: exit 1, one line."""
+    from tfcli.inspection import memory
+    from tfcli.subjects.base import RunFailed
+    from tfcli.subjects.user import UserSubject, import_object
+    from tfcli.subjects.base import parse_input
+
+    path = write(tmp_path, FAILING)
+    make = lambda model: {"x": torch.randn(2, 4)}  # noqa: E731
+    loss = lambda out: out.float().square().mean()  # noqa: E731
+    for name, words in (("Boom", "forward pass failed in (model) (Boom) with inputs [2, 4]: "
+                                 "RuntimeError: boom in forward"),
+                        ("BoomBackward", "backward pass failed of BoomBackward: RuntimeError: "
+                                         "boom in backward")):
+        build = import_object(f"{path}:{name}")[0]
+        runs = [lambda: memory.simulate_training_step(build, make, loss),
+                lambda: memory.simulate_step(build, make, loss, "adam")]
+        if name == "Boom":
+            runs.append(lambda: memory.simulate_forward(build, make))
+        for run in runs:
+            with pytest.raises(RunFailed) as failed:
+                run()
+            assert failed.value.exit_code == 1 and words in str(failed.value)
+            assert "fake-tensor replay" in str(failed.value) and "\n" not in str(failed.value)
+    subject = UserSubject(f"{path}:Boom", input_specs=[parse_input("x=float32[B,4]")])
+    with pytest.raises(RunFailed, match="boom in forward"):
+        memory.estimate_step_peak(subject, {"B": 2}, "fp32", None, "sgd")
+
+
+# --- a --model that needs constructor arguments -----------------------------------------------
+
+FACTORY = "import torch\ndef build(width, depth=2):\n    return torch.nn.Linear(width, width)\n"
+
+
+@pytest.mark.parametrize("model,extra,words", [
+    ("torch.nn:Linear", [], "give in_features, out_features with --model-arg NAME=VALUE"),
+    ("torch.nn:Linear", ["--model-arg", "in_features=2", "--model-arg", "out_feature=2"],
+     "--model-arg out_feature: torch.nn:Linear takes no parameter 'out_feature' (did you mean "
+     "'out_features'?)"),
+    ("FACTORY", [], "give width with --model-arg NAME=VALUE (e.g. --model-arg width=VALUE); "
+                    "it is build(width, depth=2)"),
+    ("FACTORY", ["--model-arg", "width=wide"], "calling it with width='wide' raised TypeError"),
+])
+def test_a_model_needing_arguments_says_model_arg(cli, tmp_path, model, extra, words):
+    """The fix is --model-arg NAME=VALUE, not building on another device."""
+    model = f"{write(tmp_path, FACTORY)}:build" if model == "FACTORY" else model
+    result = cli("params", "--model", model, *extra)
+    assert result.exit_code == 2, result.stderr
+    assert words in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert "--build-on" not in result.stderr and "--device" not in result.stderr
 
 
 def test_hf_without_transformers_names_the_extra(cli, hf_configs, monkeypatch):
