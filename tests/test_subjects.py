@@ -345,6 +345,17 @@ def test_a_model_that_fails_when_run_is_a_failed_run(cli, tmp_path, args, name, 
     assert start in lines[0] and end in lines[0], lines
 
 
+def test_shapes_backward_reports_a_model_failing_in_backward(cli, tmp_path):
+    """The second pass of shapes --backward (FLOPs counted) runs the model's backward: its
+    failure is a failed run too, not an internal error."""
+    result = cli("shapes", "--model", f"{write(tmp_path, FAILING)}:BoomBackward", "--input",
+                 "x=float32[B,4]", "--backward")
+    assert result.exit_code == 1, (result.exit_code, result.stderr)
+    assert result.stderr == ("tfcli: error: backward pass failed in (model) (BoomBackward): "
+                             "RuntimeError: boom in backward (the second pass, counting "
+                             "FLOPs)\n")
+
+
 def test_replays_report_the_models_own_failure(tmp_path):
     """Each replay (training step, whole step, inference forward) and each phase (forward,
     backward) turns the model's exception into RunFailed: exit 1, one line."""
@@ -358,8 +369,8 @@ def test_replays_report_the_models_own_failure(tmp_path):
     loss = lambda out: out.float().square().mean()  # noqa: E731
     for name, words in (("Boom", "forward pass failed in (model) (Boom) with inputs [2, 4]: "
                                  "RuntimeError: boom in forward"),
-                        ("BoomBackward", "backward pass failed of BoomBackward: RuntimeError: "
-                                         "boom in backward")):
+                        ("BoomBackward", "backward pass failed in (model) (BoomBackward): "
+                                         "RuntimeError: boom in backward")):
         build = import_object(f"{path}:{name}")[0]
         runs = [lambda: memory.simulate_training_step(build, make, loss),
                 lambda: memory.simulate_step(build, make, loss, "adam")]

@@ -208,6 +208,10 @@ def _failure(err: BaseException) -> str:
     if _is_oom(err):
         return "OOM"
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    from tfcli.errors import TfcliError
+
+    if isinstance(err, TfcliError):  # its message names what failed already
+        return f"error: {text[:160]}"
     return f"error: {type(err).__name__}: {text[:100]}"
 
 

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
-from tfcli.cli._outputs import remove_pending
+from tfcli.cli._outputs import refuse_empty_paths, remove_pending
 from tfcli.errors import TfcliError
 
 # typer >= 0.29 vendors click; its exception types are not re-exported at the top level.
@@ -401,7 +401,7 @@ def _flags_take_no_value(params: list) -> list:
 
 class TfcliCommand(TyperCommand):
     def get_params(self, ctx):
-        return _flags_take_no_value(super().get_params(ctx))
+        return _flags_take_no_value(refuse_empty_paths(super().get_params(ctx)))
 
 
 class TfcliGroup(TyperGroup):

@@ -140,9 +140,12 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     forward = events[0].flops
     windowed = subject.windowed_flops(events) if hasattr(subject, "windowed_flops") else None
     if backward:  # a second pass, forward and backward, for the counter
+        from tfcli.subjects.base import running
+
         model.train()
-        counter = count_with_flop_counter(
-            lambda: primary_output(inputs(model)).float().sum().backward())
+        with running(model, "backward pass", "the second pass, counting FLOPs"):
+            counter = count_with_flop_counter(
+                lambda: primary_output(inputs(model)).float().sum().backward())
     ours = forward * (3 if backward else 1)
     as_torch = forward + events[0].backward_torch if backward else None
     reasons, reconciled = _reconcile(events[0], counter, backward, causal_flops)

@@ -308,7 +308,7 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
     except (TfcliError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as error:
-        where = f" in {calls[-1]}" if calls else f" of {type(model).__name__}"
+        where = f" in {calls[-1]}" if calls else f" in (model) ({type(model).__name__})"
         fake = type(error).__module__.startswith(("torch._subclasses", "torch.fx"))
         hint = "; the replay runs the model on fake tensors, which hold no values" if fake else ""
         raise RunFailed(f"{what} failed{where}: {error_text(error)}"
