@@ -222,6 +222,8 @@ def test_bad_user_models(cli, tmp_path, case):
     (["--model", f"{EXAMPLE}"], "expected FILE.py:NAME"),
     (["--model", "no_such_module_xyz:build"], "no module named"),
     (["--model", f"{EXAMPLE}:build", "--model-arg", "d model=3"], "--model-arg"),
+    (["--model", f"{EXAMPLE}:build", "--model-arg", "d_model=32", "--model-arg", "d_model=64"],
+     "--model-arg d_model is given twice"),
     (["--model", f"{EXAMPLE}:build", "--preset", "tiny"], "give one or the other"),
     (["--preset", "tiny", "--input", "x=int64[B,S]"], "--input applies to --model"),
     (["--model", "hf:/nonexistent/dir"], "no such file"),

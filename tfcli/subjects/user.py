@@ -34,6 +34,8 @@ def parse_model_args(items: list[str]) -> dict[str, Any]:
         if not sep or not key.strip().isidentifier():
             raise TfcliError(f"--model-arg {item!r}: expected KEY=VALUE with KEY a Python "
                              f"identifier, e.g. --model-arg d_model=256")
+        if key.strip() in out:
+            raise TfcliError(f"--model-arg {key.strip()} is given twice; give it once")
         try:
             out[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError, MemoryError, RecursionError):
