@@ -42,26 +42,7 @@ class Broken(nn.Module):
 
 # The model's own code fails when run: a failed run (exit 1), never exit 70 or the model's own
 # sys.exit code.
-FAIL_OWN_CODE = """import sys
-import torch
-
-class Boom(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        raise RuntimeError("boom in forward")
-
-class Quits(Boom):
-    def forward(self, x):
-        sys.exit(5)
-
-class BadInit(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        raise ValueError("boom in init")
-"""
+FAIL_OWN_CODE = (Path(__file__).parent / "fixtures" / "failing_models.py").read_text()
 HF_HEADS_5_ON_64 = (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5, '
                     b'"num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 100}')
 

@@ -288,38 +288,7 @@ def test_a_config_validation_error_keeps_its_reason(cli, tmp_path):
 
 # --- the model's own code fails: a failed run (exit 1), one line naming it ------------------
 
-FAILING = """import sys
-import torch
-
-class Boom(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        raise RuntimeError("boom in forward")
-
-class Quits(Boom):
-    def forward(self, x):
-        sys.exit(5)
-
-class BoomInside(Boom):
-    def forward(self, x):
-        return self.proj(x[..., :3])  # 3 features into a Linear(4, 4)
-
-class _Raise(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("boom in backward")
-
-class BoomBackward(Boom):
-    def forward(self, x):
-        return _Raise.apply(self.proj(x))
-"""
+FAILING = (Path(__file__).parent / "fixtures" / "failing_models.py").read_text()
 
 
 @pytest.mark.parametrize("args", [
