@@ -14,7 +14,6 @@ free memory. Nothing here imports torch at module level.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 
