@@ -416,10 +416,8 @@ class Sweep:
                     still.append(item)
             live = self._live = still
         if self._peak is not None:
-            for _ in range(3):  # cells that finished in a round or two left it few samples
-                if len(self._peak.samples) >= 3:
-                    break
-                self._peak.block()
+            while len(self._peak.samples) < 3:  # cells that finished in a round or two
+                self._peak.block()  # left it fewer; each block adds one sample
             self.calibration.append({
                 "device": device, "dtype": dtype, "seq_len": length,
                 "matmul": f"{s.calibrate_size}×{s.calibrate_size}",

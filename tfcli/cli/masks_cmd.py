@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, guard_run, int_list,
-                               print_json, resolve_subject, sizes, stdout)
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
+                               int_list, print_json, resolve_subject, sizes, stdout)
 from tfcli.cli._outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
@@ -92,9 +92,7 @@ def masks(
     from tfcli.render.masks import render_check, render_masks
 
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
-    from tfcli.cli._common import given as typed
-
-    if json_out and png is None and typed("batch_index"):
+    if json_out and png is None and given("batch_index"):
         raise TfcliError(f"--batch-index {batch_index} picks the sequence drawn; --json holds "
                          f"every sequence (use it with the table or --png)")
     if getattr(subject, "cfg", None) is None:
@@ -105,7 +103,7 @@ def masks(
             raise TfcliError("--causal names what --check verifies; add --check (without it "
                              "the masks the model applied are drawn as they are)")
         drawing = [o for n, o in (("convention", "--convention"), ("max_grid", "--max-grid"))
-                   if typed(n)]
+                   if given(n)]
         if json_out and drawing:
             raise TfcliError(f"{', '.join(drawing)}: shape the drawn grids; --json for --model "
                              f"holds each captured mask whole, as booleans")
@@ -122,9 +120,9 @@ def masks(
     cfg = subject.cfg
     sides_present = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder))
                      if present]
-    given = {"src": (src_lens, src_ids), "tgt": (tgt_lens, tgt_ids)}
+    by_side = {"src": (src_lens, src_ids), "tgt": (tgt_lens, tgt_ids)}
     for side in ("src", "tgt"):
-        lens, ids = given[side]
+        lens, ids = by_side[side]
         if lens is not None and ids is not None:
             raise TfcliError(f"--{side}-lens and --{side}-ids: give one or the other")
         if side not in sides_present and (lens is not None or ids is not None):
@@ -134,7 +132,7 @@ def masks(
     sides: dict[str, Padding] = {}
     ids_given: dict[str, torch.Tensor] = {}
     for side in sides_present:
-        lens, ids = given[side]
+        lens, ids = by_side[side]
         if ids is not None:
             vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
             rows = _parse_ids(ids, f"--{side}-ids")
@@ -155,7 +153,7 @@ def masks(
         raise TfcliError(f"source and target batches differ in size ({' vs '.join(map(str, batch))}"
                          "): give one length (or id row) per sequence on both sides")
     batch_size = batch.pop() if batch else len(DEFAULT_LENS["src"])
-    any_given = any(v is not None for pair in given.values() for v in pair)
+    any_given = any(v is not None for pair in by_side.values() for v in pair)
     for side in sides_present:
         if side not in sides:
             # Nothing given: the defaults. One side given: no padding on the other.

@@ -137,12 +137,12 @@ def params(
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
     if seq_len is None:
-        given = [o for o, v in (("--device cuda", device is TrainDevice.cuda),
-                                ("--attention-kernel", attention_kernel is not Kernel.auto),
-                                ("--keep-grads", keep_grads), ("--inference", inference))
-                 if v]
-        if given:
-            raise TfcliError(f"{given[0]} applies to the memory of a step: add --seq-len L "
+        step_only = [o for o, v in (("--device cuda", device is TrainDevice.cuda),
+                                    ("--attention-kernel", attention_kernel is not Kernel.auto),
+                                    ("--keep-grads", keep_grads), ("--inference", inference))
+                     if v]
+        if step_only:
+            raise TfcliError(f"{step_only[0]} applies to the memory of a step: add --seq-len L "
                              f"(and --batch-size B)")
     if kv_dtype is not None and not inference:
         raise TfcliError("--kv-dtype applies to --inference")

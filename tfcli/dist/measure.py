@@ -106,13 +106,11 @@ def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> 
                 loss = subject.loss(inputs(model))
             layers = [m for stack in (model.encoder, model.decoder) if stack is not None
                       for m in stack.layers]
-            out = []
-            for layer in layers:
-                snaps = tracker.memory_tracking[layer].snapshots
+            def activations(layer, state) -> int:
+                (per_device,) = tracker.memory_tracking[layer].snapshots[state][-1].values()
+                return per_device[_MemRefType.ACT]
 
-                def act(state):
-                    (per_device,) = snaps[state][-1].values()
-                    return per_device[_MemRefType.ACT]
-                out.append(act(_ModState.POST_FW) - act(_ModState.PRE_FW))
+            out = [activations(layer, _ModState.POST_FW) - activations(layer, _ModState.PRE_FW)
+                   for layer in layers]
             del loss
         return out
