@@ -309,10 +309,13 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     """``tfcli bench --nproc N --strategy S [--backend B]``, or one of torchrun's ranks:
     validate, run, and (rank 0 only, under torchrun) print and write."""
     world = torchrun_world()
-    if world is not None and os.environ["RANK"] != "0":
+    if world is None:
+        return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
+                          csv_path, world, ignored)
+    if os.environ["RANK"] != "0":
         try:  # every rank checks; rank 0 alone says why (torchrun's report follows anyway)
-            return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed,
-                              json_out, csv_path, world, ignored)
+            _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
+                       csv_path, world, ignored)
         except TfcliError as error:
             import signal
             import time
@@ -322,8 +325,12 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(2)
             raise SystemExit(error.exit_code) from None
-    return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
-                      csv_path, world, ignored)
+    else:
+        _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
+                   csv_path, world, ignored)
+    from tfcli.dist.launch import exit_rank
+
+    exit_rank(0)  # the work is done and written: skip the teardown that can abort (see there)
 
 
 def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from tfcli.errors import TfcliError
 
@@ -184,5 +184,20 @@ def _end(procs: list[subprocess.Popen]) -> None:
             p.wait(5)
 
 
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process without the interpreter's teardown. After a gloo process group
+    has run collectives (even once destroyed), torch's native threads and static destructors
+    can abort the exiting process on a loaded machine ("terminate called without an active
+    exception", SIGABRT, no Python frame left) after every result is written: about one run
+    in ten of two torchrun ranks beside two busy processes. multiprocessing's children never
+    met it because they end with os._exit; ranks end the same way, output flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed, or None
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(_entry(json.loads(sys.argv[1])))
+    exit_rank(_entry(json.loads(sys.argv[1])))
