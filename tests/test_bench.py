@@ -316,32 +316,63 @@ def flagged(sweep) -> bool:
         f.reliable for f in fits(sweep.records))
 
 
+BUSY_SWEEP = """
+import json, os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})  # before torch starts a thread: they all inherit it
+sys.path.insert(0, "tests")
+from test_bench import NOISY_SPEC, flagged, tiny_spec
+import torch
+from tfcli.bench.sweep import Sweep
+from tfcli.bench.timer import peak_memory
+peak_memory(lambda: torch.ones(4) * 2, "cpu")  # the profiler's one-off start
+print("ready", flush=True)  # imports done while the CPU is still free
+sys.stdin.readline()  # the spinners run
+sweep = Sweep(tiny_spec(**NOISY_SPEC))
+sweep.run()
+print(json.dumps({"flagged": flagged(sweep), "machine": sweep.machine,
+                  "cells": [[r.cpu_wait_share, r.unreliable_why] for r in sweep.records]}))
+"""
+
+
 def test_a_sweep_beside_busy_processes_is_flagged():
-    """Six spinning processes per CPU (each stops itself after 15 s, and is killed when the
-    sweep ends) leave the one-thread sweep about 2/13 of a CPU and steal time slices from
-    some runs and not others."""
+    """A sweep and three spinning processes share one CPU (each pinned with sched_setaffinity),
+    so the one-thread sweep gets about a quarter of it whatever the machine's CPU count, quota or other
+    load (on CI, spinners spread over all CPUs once left /proc/stat's busy share near its
+    threshold and the sweep unflagged). The sweep runs in its own process, whose threads all
+    inherit the pinning. Each spinner stops itself after 60 s and is killed when the sweep ends."""
     import os
     import subprocess
     import sys
 
-    from tfcli.bench.timer import peak_memory
-
-    peak_memory(lambda: torch.ones(4) * 2, "cpu")  # the profiler's one-off start, while quiet
-    spin = ("import time\nprint('spinning', flush=True)\nend = time.time() + 15\n"
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity (Linux) to share one CPU with the spinners")
+    cpu = min(os.sched_getaffinity(0))
+    spin = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
+            "print('spinning', flush=True)\nend = time.time() + 60\n"
             "while time.time() < end: pass")
-    spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
-                for _ in range(6 * (os.cpu_count() or 1))]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sweep = subprocess.Popen([sys.executable, "-c", BUSY_SWEEP, str(cpu)], cwd=root, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    spinners = []
     try:
-        for p in spinners:  # the sweep is short: start it only once every spinner spins
+        assert sweep.stdout.readline() == "ready\n", sweep.communicate(timeout=60)[1][-2000:]
+        spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+                    for _ in range(3)]
+        for p in spinners:  # start the sweep only once every spinner spins
             p.stdout.readline()
-        sweep = Sweep(tiny_spec(**NOISY_SPEC))
-        sweep.run()
+        out, err = sweep.communicate("go\n", timeout=300)
     finally:
-        for p in spinners:
+        for p in [*spinners, sweep]:
             p.kill()
             p.wait()
-    assert sweep.machine["start"]["busy_cpus"] >= 1  # the state records what was running
-    assert flagged(sweep)
+    assert sweep.returncode == 0, err[-2000:]
+    result = json.loads(out)
+    assert result["machine"]["start"]["busy_cpus"] >= 0.9  # the state records the spinners
+    assert result["flagged"], result["cells"]
+    waits = [wait for wait, _ in result["cells"]]
+    if all(w is not None for w in waits):  # where the kernel keeps schedstat: every cell waited
+        assert min(waits) > 0.5, result["cells"]
+        assert all("waited for a CPU" in why for _, why in result["cells"])
 
 
 def test_a_sweep_on_a_quiet_machine_is_not_flagged():

@@ -30,6 +30,14 @@ GPU_PEAKS = {"A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
 # Other processes may use the CPUs a cell's threads leave free, and this much more, before the
 # cell counts as measured on a busy machine: their time slices then land inside its runs.
 BUSY_MARGIN = 0.5
+# A cell whose threads spent more than this share of their ready time waiting for a CPU, and
+# more than WAIT_FLOOR_S in all, lost time slices to other processes: its runs measured the
+# scheduler as much as the kernel. Quiet 2-CPU machines show 1-12 % (the high end over windows
+# of tens of milliseconds, where one 4 ms slice given to another thread is already 6 %); one
+# thread beside one spinner per CPU shows ~35 %, beside three on its CPU ~75 %. The floor is
+# about five time slices of the kernel's scheduler.
+WAIT_LIMIT = 0.25
+WAIT_FLOOR_S = 0.02
 
 
 @dataclass
@@ -87,6 +95,7 @@ class Record:
     reliable: bool | None = None  # None: not measured
     unreliable_why: str = ""
     others_busy_cpus: float | None = None  # CPUs other processes used while the cell ran
+    cpu_wait_share: float | None = None  # share of its threads' ready time spent waiting for a CPU
     samples_s: list[float] = field(default_factory=list)  # seconds per run, one per block
 
     @property
@@ -184,7 +193,8 @@ def environment(spec: Spec, kernels_ok: dict, sweep: Sweep | None = None) -> dic
             "kernels": kernels_ok,
             "machine": sweep.machine if sweep is not None else {},
             "calibration": sweep.calibration if sweep is not None else [],
-            "reliable_dispersion": RELIABLE_DISPERSION, "reliable_ci": CI_RELIABLE}
+            "reliable_dispersion": RELIABLE_DISPERSION, "reliable_ci": CI_RELIABLE,
+            "reliable_cpu_wait": WAIT_LIMIT}
 
 
 def _cpu_name() -> str:
@@ -467,6 +477,12 @@ class Sweep:
             if others is not None and others > free + BUSY_MARGIN:
                 why.append(f"other processes kept {others:.1f} of {self._contention.cpus} CPUs "
                            f"busy beside its {record.threads} thread(s)")
+            waited = self._contention.waited() if self._contention is not None else None
+            if waited is not None:
+                record.cpu_wait_share = share = waited[0]
+                if share > WAIT_LIMIT and waited[1] > WAIT_FLOOR_S:
+                    why.append(f"its threads waited for a CPU {100 * share:.0f}% of the time "
+                               f"they were ready to run")
             if record.pct_peak is not None and record.pct_peak > 100:
                 why.append(f"{record.pct_peak:.0f}% of the measured peak: a measurement problem")
             record.reliable, record.unreliable_why = not why, "; ".join(why)

@@ -145,12 +145,23 @@ def machine_state(window: float = 0.25) -> dict:
 
 
 class Contention:
-    """How many CPUs other processes kept busy since this object was made: the machine's non-idle
-    time (/proc/stat) less this process's own CPU time, over the wall time. None without /proc."""
+    """What other processes took from a cell since this object was made, two ways (None where
+    /proc lacks the figures):
+
+    - :meth:`others`: how many CPUs they kept busy, the machine's non-idle time (/proc/stat) less
+      this process's own CPU time, over the wall time;
+    - :meth:`waited`: the share of the time this process's threads were ready to run that they
+      spent waiting for a CPU (the run-queue delay the scheduler keeps per thread in
+      /proc/self/task/*/schedstat). This one needs no CPU count, so it holds where /proc/stat
+      does not describe the CPUs this process may use (a cgroup quota, a VM's stolen time)."""
 
     def __init__(self) -> None:
-        self.cpus = os.cpu_count() or 1
+        try:
+            self.cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = os.cpu_count() or 1
         self.start = self._now()
+        self.start_threads = _thread_schedstats()
 
     @staticmethod
     def _now() -> tuple[float, float, float] | None:
@@ -167,6 +178,36 @@ class Contention:
             return None
         busy, own, wall = (b - a for a, b in zip(self.start, now, strict=True))
         return round(min(max((busy - own) / wall, 0.0), float(self.cpus)), 2)
+
+
+    def waited(self) -> tuple[float, float] | None:
+        """(share of the threads' ready time spent waiting, seconds waited in all)."""
+        now = _thread_schedstats()
+        ran = waited = 0
+        for tid, (run, wait) in now.items():  # threads alive at both readings
+            if tid in self.start_threads:
+                ran += run - self.start_threads[tid][0]
+                waited += wait - self.start_threads[tid][1]
+        if ran + waited <= 0 or waited < 0:
+            return None
+        return round(waited / (ran + waited), 3), waited / 1e9
+
+
+def _thread_schedstats() -> dict[str, tuple[int, int]]:
+    """Per thread of this process: nanoseconds on a CPU and waiting on a run queue."""
+    stats = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return stats
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+            stats[tid] = (int(run), int(wait))
+        except (OSError, ValueError):
+            continue  # the thread ended, or the kernel keeps no schedstat
+    return stats
 
 
 def _cpu_lines() -> list[str]:
