@@ -125,6 +125,19 @@ def test_a_hung_rank_is_named_not_the_rank_waiting_for_it():
     assert _ranks_of(os.getpid()) == []
 
 
+def test_the_deadline_counts_from_when_every_rank_has_joined():
+    """Start-up (a fresh interpreter importing torch, then the rendezvous) has its own
+    allowance: a rank that has not joined by then is named as such, and none is left; the run's
+    timeout starts only once all have joined, so a slow start cannot eat it."""
+    from tfcli.dist.launch import RankError, run_ranks
+    from tfcli.dist.workers import fail_rank
+
+    with pytest.raises(RankError, match=r"of 2 did not join the process group within 0\.2 s "
+                                        r"of starting"):
+        run_ranks(fail_rank, 2, (1, True), timeout=120, startup=0.2)  # torch alone takes longer
+    assert _ranks_of(os.getpid()) == []
+
+
 def test_ranks_end_when_the_launcher_is_killed():
     """SIGKILL gives the launcher no chance to end its ranks (one asleep, one in a collective):
     they notice that their parent is gone and end themselves."""

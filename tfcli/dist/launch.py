@@ -29,6 +29,11 @@ from typing import Any, Callable, NoReturn
 from tfcli.errors import TfcliError
 
 
+# Seconds a rank may take to start (a fresh interpreter importing torch) and join the process
+# group: about 3 s on an idle 2-CPU machine; generous, since a loaded one can take ten times it.
+STARTUP_S = 120.0
+
+
 class RankError(TfcliError):
     """A rank failed or did not finish in time; ``rank`` names it. Exit code 1: a run that
     failed, not bad input."""
@@ -69,8 +74,11 @@ def _entry(spec: dict) -> int:
         module, name = spec["fn"].split(":")
         fn = getattr(importlib.import_module(module), name)
         torch.set_num_threads(1)  # N ranks share the machine's cores
+        # The launcher's deadline ends a late run and names the late rank; the process group's
+        # own timeout (which would blame the rank left waiting) is only a backstop behind it.
         dist.init_process_group(spec["backend"], rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=spec["timeout"]))
+                                timeout=datetime.timedelta(seconds=spec["timeout"] + 60))
+        (out / f"rank{rank}.ready").touch()  # the run's deadline starts once every rank is here
     except BaseException:
         err.write_text(traceback.format_exc())
         return 1
@@ -99,9 +107,12 @@ def _end_with_parent(parent: int) -> None:
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
-              timeout: float = 120.0) -> list[Any]:
+              timeout: float = 120.0, startup: float = STARTUP_S) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; their JSON results, by rank.
-    ``fn`` must be a module-level function (it is imported by name) and ``args`` JSON."""
+    ``fn`` must be a module-level function (it is imported by name) and ``args`` JSON.
+    ``timeout`` counts from the moment every rank has joined the process group, so that a
+    machine slow to start N interpreters (each imports torch) does not eat into it; joining
+    has ``startup`` seconds of its own."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:
         specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
@@ -112,12 +123,15 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
         try:
             for text in texts:
                 procs.append(subprocess.Popen([sys.executable, "-m", "tfcli.dist.launch", text]))
-            deadline = time.monotonic() + timeout
+            deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
                 if any(p.returncode not in (None, 0) for p in procs):
                     _raise_first_failure(procs, out)
+                if not joined and all((Path(out) / f"rank{r}.ready").exists()
+                                      for r in range(world)):
+                    deadline, joined = time.monotonic() + timeout, True
                 if time.monotonic() > deadline:
-                    _raise_late(procs, out, timeout)
+                    _raise_late(procs, out, timeout if joined else startup, joined)
                 time.sleep(0.05)
             if any(p.returncode != 0 for p in procs):
                 _raise_first_failure(procs, out)
@@ -145,7 +159,8 @@ def _raise_first_failure(procs: list[subprocess.Popen], out: str) -> None:
     raise RankError(rank, f"rank {rank} of {len(procs)} failed: {detail}")
 
 
-def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float) -> None:
+def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
+                joined: bool = True) -> None:
     """Name the late rank that is not waiting in a collective (its Python stack, dumped on
     request, is outside torch.distributed): the others wait for it. If every late rank waits
     in one (a deadlock) or none answers, name them all."""
@@ -159,7 +174,9 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float) -> None
     waiting = [r for r in late if f"torch{os.sep}distributed{os.sep}" in stacks[r]]
     stuck = [r for r in late if r not in waiting and stacks[r].strip()]
     names = ", ".join(map(str, stuck or late))
-    message = f"rank(s) {names} of {len(procs)} did not finish within {timeout:g} s"
+    message = (f"rank(s) {names} of {len(procs)} did not finish within {timeout:g} s" if joined
+               else f"rank(s) {names} of {len(procs)} did not join the process group within "
+                    f"{timeout:g} s of starting")
     if stuck and waiting:
         import re
 
