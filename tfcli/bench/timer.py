@@ -179,7 +179,6 @@ class Contention:
         busy, own, wall = (b - a for a, b in zip(self.start, now, strict=True))
         return round(min(max((busy - own) / wall, 0.0), float(self.cpus)), 2)
 
-
     def waited(self) -> tuple[float, float] | None:
         """(share of the threads' ready time spent waiting, seconds waited in all)."""
         now = _thread_schedstats()

@@ -184,7 +184,8 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
         frames = [line.strip() for block in threads if " in watch" not in block
                   for line in block.splitlines() if line.strip().startswith("File")]
         message += (f" (rank {stuck[0]} at {frames[0] if frames else '?'}); rank(s) "
-                    f"{', '.join(map(str, waiting))} waited for it in a collective")
+                    f"{', '.join(map(str, waiting))} waited for it "
+                    + ("in a collective" if joined else "at the rendezvous"))
     raise RankError((stuck or late)[0], message)
 
 
