@@ -336,10 +336,11 @@ print(json.dumps({"flagged": flagged(sweep), "machine": sweep.machine,
 
 def test_a_sweep_beside_busy_processes_is_flagged():
     """A sweep and three spinning processes share one CPU (each pinned with sched_setaffinity),
-    so the one-thread sweep gets about a quarter of it whatever the machine's CPU count, quota or other
-    load (on CI, spinners spread over all CPUs once left /proc/stat's busy share near its
-    threshold and the sweep unflagged). The sweep runs in its own process, whose threads all
-    inherit the pinning. Each spinner stops itself after 60 s and is killed when the sweep ends."""
+    so the one-thread sweep gets about a quarter of it whatever the machine's CPU count, quota
+    or other load (on CI, spinners spread over all CPUs once left /proc/stat's busy share near
+    its threshold and the sweep unflagged). The sweep runs in its own process, whose threads
+    all inherit the pinning. Each spinner stops itself after 60 s and is killed when the sweep
+    ends."""
     import os
     import subprocess
     import sys

@@ -138,6 +138,20 @@ def test_the_deadline_counts_from_when_every_rank_has_joined():
     assert _ranks_of(os.getpid()) == []
 
 
+def test_ranks_that_have_not_started_python_yet_are_named_too(tmp_path):
+    """At a very early deadline a rank may not have written its stack file yet: the ranks are
+    still named (here two processes that never run Python), without a traceback of tfcli's."""
+    from tfcli.dist.launch import RankError, _end, _raise_late
+
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        with pytest.raises(RankError, match=r"^rank\(s\) 0, 1 of 2 did not join the process "
+                                            r"group within 0\.2 s of starting$"):
+            _raise_late(procs, str(tmp_path), 0.2, joined=False)
+    finally:
+        _end(procs)
+
+
 def test_ranks_end_when_the_launcher_is_killed():
     """SIGKILL gives the launcher no chance to end its ranks (one asleep, one in a collective):
     they notice that their parent is gone and end themselves."""

@@ -170,7 +170,7 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
     for r in late:
         procs[r].send_signal(signal.SIGUSR1)
     time.sleep(0.5)
-    stacks = {r: (Path(out) / f"rank{r}.stack").read_text() for r in late}
+    stacks = {r: _read(Path(out) / f"rank{r}.stack") for r in late}
     waiting = [r for r in late if f"torch{os.sep}distributed{os.sep}" in stacks[r]]
     stuck = [r for r in late if r not in waiting and stacks[r].strip()]
     names = ", ".join(map(str, stuck or late))
@@ -187,6 +187,14 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
                     f"{', '.join(map(str, waiting))} waited for it "
                     + ("in a collective" if joined else "at the rendezvous"))
     raise RankError((stuck or late)[0], message)
+
+
+def _read(path: Path) -> str:
+    """A file's text, or "" where the rank has not written it (still starting up)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _end(procs: list[subprocess.Popen]) -> None:
