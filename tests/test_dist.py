@@ -347,6 +347,58 @@ def test_zero1_optimizer_state_agrees_with_zero_redundancy_optimizer(zero1, name
 
 
 @pytest.fixture(scope="module")
+def ddp():
+    """DistributedDataParallel on a real one-rank gloo group (the fake process group cannot run
+    DDP's backward: its all-reduce future holds no tensor), once with the default buckets and
+    once with gradient_as_bucket_view=True: torch's own bucket sizes (its logging data) and how
+    many distinct storages the gradients live in after one backward."""
+    start_python("ddp", f"""
+        import json, os
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from tfcli.dist.launch import free_port
+        from tfcli.model.presets import get_preset
+        from tfcli.model.transformer import build_model
+        from tfcli.subjects.own import OwnSubject
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        out = {{}}
+        for name, values in {CONFIGS!r}.items():
+            values = dict(values)
+            cfg = get_preset(values.pop("preset")).replace(**values)
+            subject = OwnSubject(cfg)
+            for view in (False, True):
+                model = build_model(cfg, "cpu")
+                wrapped = DistributedDataParallel(model, gradient_as_bucket_view=view)
+                inputs = subject.make_inputs(model, {{"B": 2, "S": 16, "T": 16}}, "cpu")
+                subject.loss(inputs(wrapped)).backward()
+                sizes = str(wrapped._get_ddp_logging_data()["bucket_sizes"]).split(",")
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                out[f"{{name}}/{{view}}"] = {{
+                    "bucket_bytes": sum(int(size) for size in sizes),
+                    "grad_storages": len({{g.untyped_storage().data_ptr() for g in grads}}),
+                    "grads": len(grads)}}
+        dist.destroy_process_group()
+        print(json.dumps(out))
+        """)
+    return result_of("ddp", timeout=240)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ddp_bucket_line_agrees_with_torch_ddp(ddp, name):
+    """The 'DDP gradient buckets' line is torch's bucket bytes, a second copy of the gradients
+    by default (each gradient its own storage beside the buckets); with
+    gradient_as_bucket_view=True the gradients are views of the buckets, as the line says."""
+    p = plan(_cfg(name), Parallel(dp=8, zero=0))
+    lines = {line.name: line.bytes for line in p.lines}
+    default, view = ddp[f"{name}/False"], ddp[f"{name}/True"]
+    assert lines["DDP gradient buckets"] == default["bucket_bytes"] == view["bucket_bytes"]
+    assert lines["gradients"] == default["bucket_bytes"]
+    assert default["grad_storages"] == default["grads"] > 1  # apart from the buckets
+    assert view["grad_storages"] < view["grads"]  # gathered into the buckets' storage
+
+
+@pytest.fixture(scope="module")
 def gloo():
     _start_gloo()
     return result_of("gloo", timeout=240)
