@@ -41,10 +41,13 @@ def _by_name(snapshot: dict) -> dict[str, int]:
     return {getattr(k, "value", k): int(v) for k, v in per_device.items()}
 
 
-def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[str, dict]:
+def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
+                     reshard_after_forward: bool = True) -> dict[str, dict]:
     """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks: ``after_backward`` (all
     sharded gradients present) and ``peak``, each {category: bytes} as the tracker names them
-    ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...)."""
+    ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...).
+    ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
+    FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -59,8 +62,8 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int) -> dict[
             model = build_model(cfg, "cpu")
             for stack in (model.encoder, model.decoder):
                 for layer in (stack.layers if stack is not None else []):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
             inputs = subject.make_inputs(model, {"B": batch, "S": seq_len, "T": seq_len}, "cpu")
             tracker = FSDPMemTracker(model, optimizer)
