@@ -509,7 +509,9 @@ def test_a_hung_rank_is_ended_at_the_timeout(gloo):
     message, alive, seconds = gloo["hang"]
     assert "rank(s) 1 of 2 did not finish within 8 s" in message  # the hung one, not rank 0
     assert "rank(s) 0 waited for it" in message
-    assert alive == 0 and seconds < 8 + 15  # + terminate, then kill after 5 s
+    # ended, not left to the fixture's timeout: start-up (ranks importing torch, seconds on a
+    # loaded machine) + 8 s + terminate, then kill after 5 s
+    assert alive == 0 and seconds < 8 + 60
 
 
 def test_nccl_without_gpus_is_refused_in_one_line():
