@@ -189,6 +189,11 @@ def _cfg(name: str):
     return get_preset(values.pop("preset")).replace(**values)
 
 
+def _cfg_dicts() -> dict[str, dict]:
+    """CONFIGS as Config fields, for the checks run in a subprocess (``Config(**fields)``)."""
+    return {name: _cfg(name).to_dict() for name in CONFIGS}
+
+
 @pytest.fixture(scope="module")
 def tracked():
     """In one fresh process, on torch.distributed's fake process group: FSDPMemTracker's
@@ -205,12 +210,10 @@ def tracked():
         from tfcli.dist.measure import fsdp_fake_memory, tp_fake_layer_activations
         from tfcli.dist.workers import tensor_parallel
         from tfcli.model.config import Config
-        from tfcli.model.presets import get_preset
         from tfcli.model.transformer import build_model
         out = {{}}
-        for name, values in {CONFIGS!r}.items():
-            values = dict(values)
-            cfg = get_preset(values.pop("preset")).replace(**values)
+        for name, fields in {_cfg_dicts()!r}.items():
+            cfg = Config(**fields)
             for n in (1, 2, 8):
                 for b, s in {SIZES!r}:
                     out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory(cfg, n, b, s)
@@ -326,12 +329,11 @@ def zero1():
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from tfcli.model.presets import get_preset
+        from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         out = {{}}
-        for name, values in {CONFIGS!r}.items():
-            values = dict(values)
-            cfg = get_preset(values.pop("preset")).replace(**values)
+        for name, fields in {_cfg_dicts()!r}.items():
+            cfg = Config(**fields)
             for n in (2, 4, 8):
                 per_rank = []
                 for rank in range(n):
@@ -380,15 +382,14 @@ def ddp():
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
         from tfcli.dist.launch import free_port
-        from tfcli.model.presets import get_preset
+        from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         from tfcli.subjects.own import OwnSubject
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
         out = {{}}
-        for name, values in {CONFIGS!r}.items():
-            values = dict(values)
-            cfg = get_preset(values.pop("preset")).replace(**values)
+        for name, fields in {_cfg_dicts()!r}.items():
+            cfg = Config(**fields)
             subject = OwnSubject(cfg)
             for view in (False, True):
                 model = build_model(cfg, "cpu")
