@@ -96,7 +96,8 @@ def test_check_passes_on_the_model(cli):
                  "3,4,2")
     assert result.exit_code == 0, result.stdout
     assert "PASSED" in result.stdout and "✗" not in result.stdout
-    assert "no allowed key" in result.stdout or "→ output zeros" in result.stdout
+    assert "with no allowed key, weights there:" in result.stdout
+    assert "✓ no NaN" in result.stdout
 
 
 def _ignore_mask(self, q, k, v, mask=None):
@@ -120,16 +121,22 @@ def test_check_fails_on_broken_attention(cli, monkeypatch, broken, preset):
     result = cli(*args)
     assert result.exit_code == 1
     check = json.loads(result.stdout)["check"]
-    assert check["passed"] is False and check["causal_ok"] is False
-    assert all(layer["max_blocked_weight"] > 0 for layer in check["layers"])
+    status = {c["name"]: c["status"] for c in check["checks"]}
+    assert check["verdict"] == "failed" and status["causality of tgt"] == "failed"
+    layers = [name for name in status if name.startswith("attention ")]
+    assert layers and all(status[name] == "failed" for name in layers)
 
 
 def test_empty_rows_give_zeros_not_nan(cli):
     result = cli("masks", "--preset", "bert-base", "--set", "n_encoder_layers=1", "--src-lens",
                  "3,0", "--check", "--json")
     assert result.exit_code == 0, result.stdout
-    rows = json.loads(result.stdout)["check"]["empty_rows"]
-    assert len(rows) == 3 and {r["output"] for r in rows} == {"zeros"}
+    check = json.loads(result.stdout)["check"]
+    assert check["verdict"] == "passed"
+    layer = next(c for c in check["checks"] if c["name"].startswith("attention "))
+    # batch element 1 is empty: its 3 query rows may attend to no key; the output has no NaN
+    assert "3 query row(s) with no allowed key" in layer["detail"]
+    assert next(c for c in check["checks"] if c["name"] == "no NaN")["status"] == "passed"
 
 
 def test_json_masks(cli):
@@ -226,10 +233,13 @@ def test_sliding_window_is_drawn_and_checked():
     check fails on a model that ignores the window."""
     import torch
 
-    from tfcli.inspection.maskcheck import check_model, mask_set
+    from tfcli.inspection.maskcheck import mask_set
+    from tfcli.inspection.verdict import check, make_plan
     from tfcli.model.masks import valid_from_lengths
     from tfcli.model.presets import get_preset
     from tfcli.model.transformer import build_model, example_inputs
+    from tfcli.subjects.base import Inputs
+    from tfcli.subjects.own import OwnSubject
 
     cfg = get_preset("llama-tiny").replace(attention_window=2, attention="naive")
     valid = valid_from_lengths([5, 5])
@@ -237,11 +247,19 @@ def test_sliding_window_is_drawn_and_checked():
     i = torch.arange(5)
     band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 2)
     assert torch.equal(used.expanded(2, 5, 5)[0], band)
-    inputs = {k: v for k, v in example_inputs(cfg, 2, 1, 5).items() if v is not None}
+    kwargs = {"tgt": example_inputs(cfg, 2, 1, 5)["tgt"], "tgt_valid": valid}
+
+    def verdict(model):  # the check of the windowed configuration, on ``model``
+        plan = make_plan(OwnSubject(cfg), model, Inputs((), kwargs), {"tgt": valid}, [], {}, 0,
+                         cfg.tgt_vocab_size)
+        return check(model, plan)
+
     torch.manual_seed(0)
-    assert check_model(build_model(cfg), cfg, inputs, None, valid).passed
-    ignores_window = build_model(cfg.replace(attention_window=None))
-    assert not check_model(ignores_window, cfg, inputs, None, valid).passed
+    assert verdict(build_model(cfg)).status == "passed"
+    ignores_window = verdict(build_model(cfg.replace(attention_window=None)))
+    failed = [c.name for c in ignores_window.checks if c.status == "failed"]
+    assert ignores_window.status == "failed" and failed
+    assert all(name.startswith("attention decoder.") for name in failed)  # still causal
 
 
 # --- grids of any length: only the shown cells are computed ----------------------------------

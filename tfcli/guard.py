@@ -179,13 +179,17 @@ def weight_bytes(subject) -> int | None:
         return None
 
 
-def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32") -> tuple[int, str]:
-    """Bytes of building ``subject`` for real and running one training step at ``sizes``
-    (a forward alone needs less): weights and buffers, gradients, and the activation peak of a
-    fake-tensor replay. Nothing is allocated to find out."""
+def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32",
+                    forward_only: bool = False) -> tuple[int, str]:
+    """Bytes of building ``subject`` for real and running one training step at ``sizes``:
+    weights and buffers, gradients, and the activation peak of a fake-tensor replay. With
+    ``forward_only``, forward passes under no_grad that keep every attention call's weights
+    (what a mask check does): no gradients, the forward's peak, and those weights. Nothing is
+    allocated to find out; a model the replay cannot run counts weights, gradients and inputs
+    only."""
     import torch
 
-    from tfcli.inspection.memory import DTYPES, estimate_activations
+    from tfcli.inspection.memory import DTYPES, estimate_activations, estimate_forward_peak
 
     device, abstract = subject.abstract_run("meta")
     with abstract:
@@ -194,15 +198,26 @@ def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32") -> tupl
                       for t in [*model.parameters(), *model.buffers()])
         inputs = sum(t.numel() * t.element_size()
                      for t in subject.make_inputs(model, sizes, device).tensors())
-        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        grads = 0 if forward_only else sum(p.numel() * p.element_size()
+                                           for p in model.parameters() if p.requires_grad)
     del model
+    kept = [0]
+
+    def count(op) -> None:  # each call's weights, kept in fp32 with a bool mask beside them
+        if op.kind in ("softmax", "sdpa") and op.shape:
+            kept[0] += 5 * math.prod(op.shape)
+
     try:
-        activations = estimate_activations(subject, sizes, dtype)[0].peak_bytes
+        activations = (estimate_forward_peak(subject, sizes, dtype, on_op=count) if forward_only
+                       else estimate_activations(subject, sizes, dtype)[0].peak_bytes)
     except (torch.cuda.OutOfMemoryError, MemoryError):
         raise
-    except Exception:  # a model the replay cannot run: weights, gradients and inputs only
+    except Exception:
         activations = 0
-    total = weights + grads + inputs + activations
+    total = weights + grads + inputs + activations + kept[0]
+    if forward_only:
+        return total, (f"weights {gib(weights)} + inputs {gib(inputs)} + forward peak "
+                       f"{gib(activations)} + attention weights kept {gib(kept[0])}")
     return total, (f"weights {gib(weights)} + gradients {gib(grads)} + inputs {gib(inputs)} + "
                    f"activations {gib(activations)}")
 

@@ -80,14 +80,16 @@ def resolve_subject(preset, config, overrides, model, model_args, hf_class, inpu
 
 
 def guard_run(subject, dims: dict[str, int] | None, what: str, max_memory: str | None,
-              device: str = "cpu", extra: tuple[int, str] = (0, "")) -> None:
+              device: str = "cpu", extra: tuple[int, str] = (0, ""),
+              forward_only: bool = False) -> None:
     """Refuse a real run of ``subject`` at ``dims`` (None: no model run) plus ``extra``
     (bytes, what they are) whose estimate exceeds what is available (or --max-memory), before
     anything is allocated."""
     from tfcli.guard import model_run_bytes, parse_size, require
 
     limit = parse_size(max_memory) if max_memory is not None else None
-    need, how = model_run_bytes(subject, dims) if subject is not None else (0, "")
+    need, how = (model_run_bytes(subject, dims, forward_only=forward_only)
+                 if subject is not None else (0, ""))
     if extra[0]:
         need, how = need + extra[0], " + ".join(part for part in (how, extra[1]) if part)
     require(need, what, limit, device, how)

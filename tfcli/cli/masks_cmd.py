@@ -47,7 +47,14 @@ def masks(
     lengths: Annotated[Optional[list[str]], typer.Option(
         "--lengths", metavar="NAME=N,N,…", show_default=False,
         help="--model: real length per sequence of input NAME; later positions become "
-             "--pad-id (and 0 in a *mask* input of the same shape). Repeatable.")] = None,
+             "--pad-id, and every mask argument is built from these lengths. Repeatable.")
+    ] = None,
+    mask: Annotated[Optional[list[str]], typer.Option(
+        "--mask", metavar="NAME=CONVENTION", show_default=False,
+        help="--model: the convention of mask argument NAME: bool-allowed, bool-blocked, "
+             "keep-01 or additive. Without it tfcli uses the documented convention of a known "
+             "name (*_key_padding_mask, attention_mask) or probes, and says which. "
+             "Repeatable.")] = None,
     src_lens: Annotated[Optional[str], typer.Option(
         metavar="N,N,…", show_default=False,
         help="Source lengths per sequence, padded to the longest (default 4,6).")] = None,
@@ -89,7 +96,7 @@ def masks(
     from tfcli.inspection.maskcheck import mask_rules
     from tfcli.inspection.maskgrid import Padding, shown_cells
     from tfcli.model import masks as mask_fns
-    from tfcli.render.masks import render_check, render_masks
+    from tfcli.render.masks import render_masks, render_verdict
 
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     if json_out and png is None and given("batch_index"):
@@ -108,11 +115,11 @@ def masks(
             raise TfcliError(f"{', '.join(drawing)}: shape the drawn grids; --json for --model "
                              f"holds each captured mask whole, as booleans")
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
-                   check, max_grid, json_out, max_memory)
+                   check, max_grid, json_out, max_memory, mask)
         return
-    if causal or lengths or dim:
-        raise TfcliError("--causal, --lengths and --dim apply to --model; tfcli's own model "
-                         "takes --src-lens/--tgt-lens or --src-ids/--tgt-ids")
+    if causal or lengths or dim or mask:
+        raise TfcliError("--causal, --lengths, --mask and --dim apply to --model; tfcli's own "
+                         "model takes --src-lens/--tgt-lens or --src-ids/--tgt-ids")
     if pad_id is not None and src_ids is None and tgt_ids is None:
         raise TfcliError("--pad-id marks padding in --src-ids/--tgt-ids; give ids, or use "
                          "--src-lens/--tgt-lens")
@@ -175,25 +182,35 @@ def masks(
     lens = {side: p.length for side, p in sides.items()}
     report = None
     if check:
-        from tfcli.inspection.maskcheck import check_model
+        from tfcli.inspection.verdict import check as run_check, make_plan
         from tfcli.model.transformer import build_model, example_inputs
         from tfcli.render.progress import working
+        from tfcli.subjects.base import Inputs
         from tfcli.subjects.own import OwnSubject
 
         longest = max(lens.values())
-        guard_run(OwnSubject(cfg.replace(attention="naive")),
-                  {"B": batch_size, "S": lens.get("src", 1), "T": lens.get("tgt", 1)},
+        naive = cfg.replace(attention="naive")  # its weights are the model's own, no recompute
+        guard_run(OwnSubject(naive),
+                  {"B": batch_size, "S": lens.get("src", 1), "T": lens.get("tgt", 1) + 1},
                   "masks --check", max_memory,
-                  extra=(6 * batch_size * longest**2 * 6, "mask grids"))
+                  extra=(6 * batch_size * longest**2 * 6, "mask grids"), forward_only=True)
         with working("building the model on cpu") as say:  # on stderr, at a terminal only
             torch.manual_seed(0)
-            model = build_model(cfg.replace(attention="naive"))
-            inputs = example_inputs(cfg, batch_size, lens.get("src", 1), lens.get("tgt", 1))
-            inputs = {k: ids_given.get(k, v) for k, v in inputs.items() if v is not None}
-            say("checking the masks: running the model's attention on the batch")
-            report = check_model(model, cfg, inputs,
-                                 sides["src"].whole() if "src" in sides else None,
-                                 sides["tgt"].whole() if "tgt" in sides else None)
+            model = build_model(naive)
+            example = example_inputs(cfg, batch_size, lens.get("src", 1), lens.get("tgt", 1))
+            kwargs = {k: ids_given.get(k, v) for k, v in example.items() if v is not None}
+            valid = {side: sides[side].whole() for side in sides}
+            if len(valid) == 2 and lens["src"] == lens["tgt"]:
+                # One more padded target position, so that self- and cross-attention calls
+                # differ in their key length (the check tells them apart by it).
+                kwargs["tgt"] = torch.cat([kwargs["tgt"], kwargs["tgt"][:, -1:]], 1)
+                valid["tgt"] = torch.cat([valid["tgt"], torch.zeros(batch_size, 1,
+                                                                     dtype=torch.bool)], 1)
+            kwargs.update({f"{side}_valid": v for side, v in valid.items()})
+            vocabs = [v for v in (cfg.src_vocab_size, cfg.tgt_vocab_size) if v]
+            plan = make_plan(OwnSubject(naive), model, Inputs((), kwargs), valid, [], {},
+                             pad_id, min(vocabs) if vocabs else 2)
+            report = run_check(model, plan, say)
 
     named = mask_rules(cfg)
     # JSON and the PNG hold every cell up to WHOLE positions a side; the terminal shows
@@ -218,18 +235,16 @@ def masks(
         render_masks(grids, batch_index, batch_size, cfg.n_heads, convention.value, max_grid,
                      console)
         if report is not None:
-            render_check(report, console)
+            render_verdict(report, console)
         if png is not None:
             console.print(f"\nwrote {png}")
-    if report is not None and not report.passed:
-        raise typer.Exit(1)
+    if report is not None and report.exit_code:
+        raise typer.Exit(report.exit_code)
 
 
 def _to_json(cfg, grids, sides, limits, batch_size, convention, report) -> dict:
     """As the grids' cells: every cell up to WHOLE positions a side; beyond, the shown ones,
     with the positions they stand for."""
-    from dataclasses import asdict
-
     import torch
 
     from tfcli.inspection.maskgrid import shown_positions
@@ -267,19 +282,22 @@ def _to_json(cfg, grids, sides, limits, batch_size, convention, report) -> dict:
     if elided:  # which positions "valid" and each grid's rows and columns stand for
         out["positions"] = positions
     if report is not None:
-        out["check"] = {**asdict(report), "passed": report.passed}
+        out["check"] = report.to_dict()
     return out
 
 
 def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int | None,
                dim: list[str] | None, batch_index: int, convention: Convention, check: bool,
-               max_grid: int, json_out: bool, max_memory: str | None = None) -> None:
-    """Any model: the masks its attention calls applied, and with --check the checks that
-    need only inputs and outputs (see tfcli.inspection.anycheck)."""
+               max_grid: int, json_out: bool, max_memory: str | None = None,
+               mask_text: list[str] | None = None) -> None:
+    """Any model: the masks its attention calls applied, and with --check the verdict of
+    tfcli.inspection.verdict (the same checks for every subject)."""
     import torch
 
-    from tfcli.inspection.anycheck import check_any, pad_inputs, run_and_capture
-    from tfcli.render.masks import render_any_check, render_seen
+    from tfcli.inspection.maskargs import parse_mask_option
+    from tfcli.inspection.verdict import check as run_check, drawn, make_plan, observe_plan
+    from tfcli.render.masks import render_seen, render_verdict
+    from tfcli.render.progress import working
     from tfcli.subjects.base import embedding_limit
 
     lengths: dict[str, list[int]] = {}
@@ -288,6 +306,12 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         if not sep or not name.strip().isidentifier():
             raise TfcliError(f"--lengths {text!r}: expected NAME=N,N,… e.g. --lengths src=5,3")
         lengths[name.strip()] = int_list(values, f"--lengths {name.strip()}=", "5,3")
+    mask_options: dict[str, str] = {}
+    for text in mask_text or []:
+        name, value = parse_mask_option(text)
+        if name in mask_options:
+            raise TfcliError(f"--mask {name} is given twice; give it once")
+        mask_options[name] = value
     batches = {len(v) for v in lengths.values()}
     if len(batches) > 1:
         raise TfcliError("--lengths: give the same number of sequences for every input")
@@ -295,59 +319,56 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         raise TfcliError("--pad-id pads the sequences --lengths describes; add --lengths NAME=N,N")
     dims = sizes(subject, batches.pop() if batches else 2, 9, 7, dim)
     bound = {text.partition("=")[0].strip() for text in dim or []}
+    padded = set()
     for name, lens in lengths.items():
         for letter in _letters_of(subject, name):
             if letter not in bound:  # padded to the longest, unless --dim says how far
                 dims[letter] = max(max(lens), 1)
-    guard_run(subject, dims, "masks --model (built on cpu)", max_memory)
-    from tfcli.render.progress import working
+                padded.add(letter)
+    _apart(dims, padded, set(subject.length_dims()))
+    guard_run(subject, dims, "masks --model (built on cpu)", max_memory, forward_only=True)
 
     torch.manual_seed(0)
-    with working("building the model on cpu"):  # on stderr, at a terminal only
+    with working("building the model on cpu") as say:  # on stderr, at a terminal only
         model = subject.build("cpu").eval()
         inputs = subject.make_inputs(model, dims, "cpu")
-    named = inputs.named(model)
-    for name in [*causal, *lengths]:
-        if name not in named or not isinstance(named[name], torch.Tensor) \
-                or named[name].dim() < 2:
-            have = ", ".join(k for k, v in named.items() if isinstance(v, torch.Tensor))
-            raise TfcliError(f"--causal/--lengths {name!r}: not a [B, L, …] input of this model "
-                             f"(its inputs: {have})")
-    for name, lens in lengths.items():
-        x = named[name]
-        if len(lens) != x.size(0) or max(lens) > x.size(1):
-            raise TfcliError(f"--lengths {name}: {x.size(0)} sequences of at most {x.size(1)} "
-                             f"positions here")
-    if batch_index >= next(iter(t.size(0) for t in inputs.tensors()), 1):
-        raise TfcliError(f"--batch-index {batch_index}: beyond the batch")
-    inputs = pad_inputs(model, inputs, lengths, pad_id)
-    with working("checking the masks: running the model on changed inputs" if check
-                 else "running the model"):
+        plan = make_plan(subject, model, inputs, lengths, causal, mask_options, pad_id,
+                         embedding_limit(model))
+        if batch_index >= plan.batch:
+            raise TfcliError(f"--batch-index {batch_index}: the batch has {plan.batch} "
+                             f"sequences (0..{plan.batch - 1})")
         if check:
-            report, seen = check_any(model, inputs, causal, lengths, pad_id,
-                                     embedding_limit(model))
+            verdict = run_check(model, plan, say)
+            seen = verdict.seen
         else:
-            report, (_, seen) = None, run_and_capture(model, inputs)
+            verdict, seen = None, observe_plan(model, plan, say)
+    shown = drawn(seen)
     if json_out:
-        out = {"subject": subject.describe(), "seen": [a.to_dict() for a in seen]}
-        if report is not None:
-            out["check"] = report.to_dict()
+        out = {"subject": subject.describe(), "seen": [d.to_dict() for d in shown]}
+        if verdict is not None:
+            out["check"] = verdict.to_dict()
+        else:
+            out["masks"] = [m.to_dict() for m in plan.masks]
         print_json(out)
     else:
         console = stdout()
-        render_seen(seen, batch_index, convention.value, max_grid, console)
-        if report is not None:
-            render_any_check(report, console)
-    if report is not None and not report.passed:
-        raise typer.Exit(1)
+        render_seen(shown, batch_index, convention.value, max_grid, console)
+        if verdict is not None:
+            render_verdict(verdict, console)
+    if verdict is not None and verdict.exit_code:
+        raise typer.Exit(verdict.exit_code)
+
+
+def _apart(dims: dict[str, int], padded: set[str], used: set[str]) -> None:
+    """Give each padded length letter a size no other length letter in use has: the check
+    tells attention calls apart by their query and key lengths (more padding changes
+    nothing)."""
+    for letter in sorted(padded):
+        while any(n == dims[letter] for k, n in dims.items() if k != letter and k in used):
+            dims[letter] += 1
 
 
 def _letters_of(subject, name: str) -> list[str]:
     """The length letter(s) of input ``name`` (dimension 1 of its --input spec)."""
-    for spec in getattr(subject, "input_specs", []):
-        if spec.name == name and len(spec.dims) > 1 and isinstance(spec.dims[1], str):
-            return [spec.dims[1]]
-    if subject.kind == "hf":
-        return ["S"] if "decoder" not in name and getattr(subject, "encoder_decoder", False) \
-            else (["T"] if "decoder" in name else ["L"])
-    return []
+    dims = subject.input_dims(name) or ()
+    return [d for d in dims if isinstance(d, str) and d != "B"][:1]

@@ -253,10 +253,12 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
 
 
 def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
-                     kernel: str = "auto") -> int:
-    """Peak bytes above weights and inputs of one inference forward (eval, no grad)."""
+                     kernel: str = "auto", on_op: Callable | None = None) -> int:
+    """Peak bytes above weights and inputs of one inference forward (eval, no grad);
+    ``on_op`` sees each operation an OpObserver recognises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from tfcli.inspection.ops import OpObserver
     from tfcli.subjects.base import Inputs
 
     with FakeTensorMode():
@@ -265,7 +267,9 @@ def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.M
         if not isinstance(inputs, Inputs):
             inputs = Inputs((), dict(inputs))
         live = _LiveStorages([*model.parameters(), *model.buffers(), *inputs.tensors()])
-        with live, torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
+        observe = OpObserver(on_op) if on_op is not None else contextlib.nullcontext()
+        with live, torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY), \
+                observe:
             out = inputs(model)
             del out
     return live.peak
@@ -391,9 +395,10 @@ def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | 
                          DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads)
 
 
-def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto") -> int:
+def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
+                          on_op: Callable | None = None) -> int:
     build, make_inputs = _replay_args(subject, sizes, dtype)
-    return simulate_forward(build, make_inputs, kernel)
+    return simulate_forward(build, make_inputs, kernel, on_op)
 
 
 def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,

@@ -56,7 +56,7 @@ def sdpa_flops(q: Tensor, k: Tensor, v: Tensor) -> int:
 @dataclass
 class Op:
     """One observed operation."""
-    kind: str  # "linear", "matmul", "scores", "softmax", "mask", "weights·V", "sdpa"
+    kind: str  # "linear", "matmul", "scores", "softmax", "mask", "weights·V", "sdpa", "mha"
     shape: list[int] | None  # output shape (the scores' for "scores" and "sdpa")
     flops: int = 0
     attention: bool = False  # part of an attention core (scores, weights·V, SDPA)
@@ -168,6 +168,8 @@ class OpObserver(TorchFunctionMode):
                 self._emit(Op("linear", list(out.shape), flops, backward=backward))
         elif func is F.scaled_dot_product_attention:
             self._sdpa(args, kwargs, out)
+        elif func is F.multi_head_attention_forward and self.keep_values:
+            self._mha(args, kwargs)  # shapes counts it from the module (inspection/shapes.py)
         elif func in _FILLS and args[0] in self._scores:
             mask = args[1]
             self._carry(args[0], out, mask if self.keep_values else None, "filled")
@@ -203,7 +205,8 @@ class OpObserver(TorchFunctionMode):
             self._weights[out] = True
         elif func in (Tensor.__truediv__, Tensor.__mul__, Tensor.div, Tensor.mul, torch.div,
                       torch.mul, Tensor.to, Tensor.float, Tensor.type, Tensor.contiguous,
-                      Tensor.view, Tensor.reshape) \
+                      Tensor.view, Tensor.reshape, Tensor.flatten, torch.flatten,
+                      Tensor.unflatten) \
                 and args[0] in self._scores:
             self._carry(args[0], out, None, "")  # scaling or reshaping the scores
 
@@ -231,8 +234,34 @@ class OpObserver(TorchFunctionMode):
                 extra={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
                        "mask": list(mask.shape) if isinstance(mask, Tensor) else None,
                        "is_causal": causal, "out": list(out.shape)})
-        if self.keep_values and (isinstance(mask, Tensor) or causal):
+        if self.keep_values:  # unmasked too: the check compares them with the asserted pattern
             op.weights, op.blocked = _sdpa_weights(q, k, mask, causal, bound.get("scale"))
+        self._emit(op)
+
+
+    def _mha(self, args, kwargs) -> None:
+        """nn.MultiheadAttention computes its weights inside one torch function; ask it for
+        them in a second call (the model's own call, already made, keeps its result)."""
+        import inspect
+
+        bound = inspect.signature(F.multi_head_attention_forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments, need_weights=True, average_attn_weights=False)
+        with torch.no_grad():
+            weights = F.multi_head_attention_forward(**call)[1]  # [B, h, T, S] or [h, T, S]
+        query, padding, mask = call["query"], call["key_padding_mask"], call["attn_mask"]
+        blocked = torch.zeros(weights.shape, dtype=torch.bool, device=weights.device)
+        batched = weights.dim() == 4
+        if isinstance(padding, Tensor):
+            padding = padding if padding.dtype == torch.bool else _blocked_from_additive(padding)
+            blocked |= padding.reshape(*padding.shape[:-1], 1, 1, padding.size(-1)) if batched \
+                else padding.reshape(1, 1, -1)
+        if isinstance(mask, Tensor):
+            mask = mask if mask.dtype == torch.bool else _blocked_from_additive(mask)
+            blocked |= mask.reshape(weights.shape) if mask.dim() == 3 else mask
+        op = Op("mha", list(weights.shape), note="nn.MultiheadAttention",
+                extra={"batch_first_query": list(query.shape)})
+        op.weights, op.blocked = weights.detach(), blocked
         self._emit(op)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from tfcli.inspection.maskcheck import CheckReport, NamedMask
+from tfcli.inspection.maskcheck import NamedMask
 from tfcli.inspection.maskgrid import Grid
 
 CELLS = {  # convention -> (text where attending is allowed, text where it is blocked)
@@ -161,29 +161,6 @@ def render_masks(grids: list[Grid], batch: int, batch_size: int, n_heads: int,
         console.print(shown_grid(g, batch, convention, limit, console.width), end="")
 
 
-def render_check(report: CheckReport, console: Console) -> None:
-    console.soft_wrap = True
-    mark = {True: "✓", False: "✗", None: "–"}
-    console.print()
-    console.print(Text("check: the model's own attention (naive path) on this batch", style="bold"))
-    for layer in report.layers:
-        nan = ", NaN in weights or output" if layer.nan else ""
-        console.print(f"  {mark[layer.ok]} {layer.path}: largest weight on a blocked position "
-                      f"= {layer.max_blocked_weight:.3g} (mask {layer.mask}){nan}")
-    console.print(f"  {mark[report.causal_ok]} causality: {report.causal_detail or 'no decoder'}")
-    console.print(f"  {mark[report.padding_ok]} padding: {report.padding_detail}")
-    groups: dict[tuple[str, int, str], list[int]] = {}
-    for row in report.empty_rows:
-        groups.setdefault((row.mask, row.batch, row.output), []).append(row.query)
-    for (mask, batch, output), queries in groups.items():
-        ok = output == "zeros"
-        console.print(f"  {mark[ok]} {mask}, batch element {batch}: {len(queries)} query row(s) "
-                      f"with no allowed key ({', '.join(map(str, queries[:8]))}"
-                      f"{', …' if len(queries) > 8 else ''}) → output {output}")
-    console.print(Text("PASSED" if report.passed else "FAILED", style="bold green"
-                       if report.passed else "bold red"))
-
-
 def render_seen(seen, batch: int, convention: str, limit: int, console: Console) -> None:
     """The masks a model applied, as captured at its softmax or SDPA calls (head 0)."""
     import torch
@@ -211,21 +188,22 @@ def render_seen(seen, batch: int, convention: str, limit: int, console: Console)
                       "inside a single torch function such as nn.MultiheadAttention)")
 
 
-def render_any_check(report, console: Console) -> None:
+def render_verdict(verdict, console: Console) -> None:
+    """The checks of tfcli.inspection.verdict, one line each, and the verdict last."""
     console.soft_wrap = True
-    mark = {True: "✓", False: "✗", None: "–"}
+    mark = {"passed": "✓", "failed": "✗", "not checked": "–"}
     console.print()
-    console.print(Text("check: the model on this batch, from its inputs and outputs and the "
-                       "attention it computed", style="bold"))
-    for a in report.attention:
-        if a.max_blocked_weight is None:
-            what = "no mask seen" + (", NaN in weights" if a.nan else "")
-        else:
-            what = (f"largest weight on a blocked position = {a.max_blocked_weight:.3g}"
-                    + (f" ({a.empty_rows} row(s) with no allowed key left out)"
-                       if a.empty_rows else "") + (", NaN in weights" if a.nan else ""))
-        console.print(f"  {mark[a.ok]} {a.path or '(model)'} [{a.how}]: {what}")
-    for c in report.checks:
-        console.print(f"  {mark[c.ok]} {c.name}: {c.detail}")
-    console.print(Text("PASSED" if report.passed else "FAILED", style="bold green"
-                       if report.passed else "bold red"))
+    console.print(Text("check: the model on this batch — causality at every position, padding, "
+                       "and every attention call's weights against the asserted pattern",
+                       style="bold"))
+    if verdict.masks:
+        console.print("mask arguments, built from the lengths and causality asked for:")
+        for m in verdict.masks:
+            console.print(f"  {m.name} {m.layout()} {str(m.dtype)[6:]}: {m.convention} — {m.how}")
+    for c in verdict.checks:
+        console.print(f"  {mark[c.status]} {c.name}: "
+                      + (f"not checked: {c.detail}" if c.status == "not checked" else c.detail))
+    for note in verdict.notes:
+        console.print(f"note: {note}")
+    style = {"passed": "bold green", "failed": "bold red"}.get(verdict.status, "bold yellow")
+    console.print(Text(verdict.headline(), style=style))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,14 @@ DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int"
           "bf16": torch.bfloat16, "float64": torch.float64, "bool": torch.bool}
 
 
+@contextlib.contextmanager
+def model_prints_to_stderr():
+    """stdout holds tfcli's answer (tables, JSON): what a model prints while it is imported,
+    built or run goes to stderr instead."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 @dataclass
 class Inputs:
     """Positional and keyword arguments of one forward call."""
@@ -41,7 +50,8 @@ class Inputs:
 
     def __call__(self, model: nn.Module):
         try:
-            return model(*self.args, **self.kwargs)
+            with model_prints_to_stderr():
+                return model(*self.args, **self.kwargs)
         except SystemExit as exit_:  # the model's own exit: a failed run, not tfcli ending
             raise ModelExited(f"the model called {exit_call(exit_)}") from None
 
@@ -234,6 +244,25 @@ class Subject:
     def describe(self) -> dict:
         return {"kind": self.kind, "label": self.label}
 
+    # What the mask check may take as known (tfcli.inspection.verdict); a user's model knows
+    # nothing up front, so these are empty unless the subject can vouch for them.
+    def input_dims(self, name: str) -> tuple | None:
+        """The letters of input ``name``'s axes, as its --input spec writes them."""
+        return next((s.dims for s in getattr(self, "input_specs", None) or [] if s.name == name),
+                    None)
+
+    def mask_conventions(self) -> dict[str, tuple[str, str]]:
+        """Mask arguments whose convention the subject knows: name -> (convention, how)."""
+        return {}
+
+    def causal_inputs(self) -> list[str]:
+        """Inputs the model is built to treat causally."""
+        return []
+
+    def windows(self) -> dict[str, tuple[int, bool]]:
+        """Length letter -> (sliding window W, causal?) the model's attention keeps to."""
+        return {}
+
     # Code that reads values in its forward (Transformers' mask preparation calls .item())
     # cannot run on meta; fake tensors run it, and such code treats them as tracing.
     runs_on_meta = True
@@ -282,6 +311,13 @@ def error_text(error: BaseException, limit: int = 300, whole: bool = False) -> s
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _shape_text(t) -> list[int] | str | None:
+    """A tensor's shape for a message; a nested tensor (nn.Transformer's fast path) has none."""
+    if not isinstance(t, Tensor):
+        return None
+    return "nested" if t.is_nested else list(t.shape)
+
+
 @contextlib.contextmanager
 def running(model: nn.Module, what: str = "forward pass", during: str = ""):
     """Run ``model`` inside this block as tfcli runs code it did not write: an exception of
@@ -292,8 +328,8 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
     calls: list[str] = []  # the module calls under way, innermost last
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        shapes = [list(t.shape) if isinstance(t, Tensor) else None
-                  for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) or t is None]
+        shapes = [_shape_text(t) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, Tensor) or t is None]
         calls.append(f"{names.get(id(module)) or '(model)'} ({type(module).__name__}) with "
                      f"inputs {', '.join(str(s) for s in shapes)}")
 
@@ -326,7 +362,7 @@ def building(device, dtype: torch.dtype | None):
     try:
         if dtype is not None:
             torch.set_default_dtype(dtype)
-        with torch.device(device), warnings.catch_warnings():
+        with torch.device(device), warnings.catch_warnings(), model_prints_to_stderr():
             warnings.simplefilter("ignore")
             yield
     finally:

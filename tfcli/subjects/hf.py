@@ -138,6 +138,13 @@ class HFSubject(Subject):
             kwargs["use_cache"] = False  # a cache is inference state, not part of one pass
         return Inputs((), kwargs)
 
+    def input_dims(self, name: str) -> tuple | None:
+        if self.input_specs:
+            return super().input_dims(name)
+        length = "S" if self.encoder_decoder else "L"
+        return {"input_ids": ("B", length), "attention_mask": ("B", length),
+                "decoder_input_ids": ("B", "T"), "decoder_attention_mask": ("B", "T")}.get(name)
+
     @property
     def vocab(self) -> int:
         return int(getattr(self.config, "vocab_size", 0) or 2)

@@ -90,6 +90,27 @@ class OwnSubject(Subject):
     def describe(self) -> dict:
         return {**super().describe(), "config": self.cfg.to_dict()}
 
+    _DIMS = {"src": ("B", "S"), "src_valid": ("B", "S"), "tgt": ("B", "T"),
+             "tgt_valid": ("B", "T")}
+
+    def input_dims(self, name: str) -> tuple | None:
+        return self._DIMS.get(name)
+
+    def mask_conventions(self) -> dict[str, tuple[str, str]]:
+        how = "tfcli's own model: {} [B, {}], True = a real token"
+        return {"src_valid": ("bool-allowed", how.format("src_valid", "S")),
+                "tgt_valid": ("bool-allowed", how.format("tgt_valid", "T"))}
+
+    def causal_inputs(self) -> list[str]:
+        return ["tgt"] if self.cfg.has_decoder else []
+
+    def windows(self) -> dict[str, tuple[int, bool]]:
+        w = self.cfg.attention_window
+        if w is None:
+            return {}
+        return {**({"S": (w, False)} if self.cfg.has_encoder else {}),
+                **({"T": (w, True)} if self.cfg.has_decoder else {})}
+
 
 def dimension_names(cfg: Config, batch: int | None = None, src_len: int | None = None,
                     tgt_len: int | None = None) -> dict[str, int]:
