@@ -12,6 +12,7 @@ import ast
 import importlib
 import inspect
 import importlib.util
+import os
 import re
 import sys
 import traceback
@@ -22,8 +23,8 @@ from torch import nn
 
 from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects.base import (InputSpec, Inputs, RunFailed, Subject, building,
-                                 check_inputs_fit, embedding_limit, error_text, exit_call, make_tensors,
-                                 signature_text)
+                                 check_inputs_fit, embedding_limit, error_text, exit_call,
+                                 make_tensors, model_prints_to_stderr, signature_text)
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -71,8 +72,12 @@ def import_object(ref: str):
             raise TfcliError(f"--model {ref!r}: {module_part!r} cannot be imported as Python")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:  # as `python FILE.py`: its siblings import by name
+            sys.path.insert(0, folder)
         try:
-            spec.loader.exec_module(module)
+            with model_prints_to_stderr():
+                spec.loader.exec_module(module)
         except SystemExit as exit_:
             sys.modules.pop(name, None)
             raise _exited(ref, f"while {module_part} was imported", exit_, str(path)) from None
@@ -81,8 +86,11 @@ def import_object(ref: str):
             raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
                              f"{error_text(error)}{_where(error, str(path))}") from None
     else:
+        if os.getcwd() not in sys.path:  # as `python -m`, but after installed packages, so
+            sys.path.append(os.getcwd())  # a json.py lying here shadows nothing
         try:
-            module = importlib.import_module(module_part)
+            with model_prints_to_stderr():
+                module = importlib.import_module(module_part)
         except ModuleNotFoundError as error:
             raise TfcliError(f"--model {ref!r}: no module named {error.name!r}") from None
         except SystemExit as exit_:
