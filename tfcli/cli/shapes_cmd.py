@@ -94,7 +94,8 @@ def shapes(
 def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, lengths,
                     batch_size, depth, expand, backward, causal_flops, json_out) -> None:
     from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
-    from tfcli.inspection.shapes import ForwardFailed, ambiguous, infer_dims, symbolic, trace
+    from tfcli.inspection.shapes import (ForwardFailed, ambiguous, infer_dims, reused_calls,
+                                         symbolic, trace)
     from tfcli.model import masks
     from tfcli.render.shapes import build_tree, flops_text
     from tfcli.subjects.base import primary_output
@@ -150,10 +151,12 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     as_torch = forward + events[0].backward_torch if backward else None
     reasons, reconciled = _reconcile(events[0], counter, backward, causal_flops)
     unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
+    reused = reused_calls(events, model)
 
     if json_out:
         print_json({
             "dims": names, "ambiguous": unclear, "device": device_name,
+            "reused": [r.to_dict() for r in reused],
             "subject": subject.describe(),
             "events": [{**e.to_dict(),
                         "inputs_symbolic": [None if s is None else symbolic(s, names)
@@ -178,6 +181,16 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                       f"(--batch-size, --src-len, --tgt-len, --dim)", style="yellow")
     console.print(build_tree(events, names, depth, expand, backward,
                              f"{cfg.kind if cfg is not None else subject.label} on {device_name}"))
+    for r in reused:
+        if r.kind == "roles":
+            console.print(f"one module in {len(r.roles)} roles: {r.path} ({r.type}) is "
+                          f"{'; '.join(r.roles)} — its weights are shared across them; was "
+                          f"that intended?", style="yellow")
+    repeated = [f"{r.path} ×{r.calls}" for r in reused if r.kind == "repeated"]
+    if repeated:
+        console.print(f"applied more than once in one role (deliberate reuse, e.g. one block "
+                      f"applied N times): {', '.join(repeated[:8])}"
+                      f"{', …' if len(repeated) > 8 else ''}")
     what = "forward+backward" if backward else "forward"
     console.print(f"FLOPs ({what}): tfcli {flops_text(ours)}   [{CONVENTION}]")
     console.print(f"  torch FlopCounterMode as shipped: {flops_text(counter.flop_counter)} "

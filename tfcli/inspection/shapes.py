@@ -54,6 +54,51 @@ class ShapeEvent:
         return asdict(self)
 
 
+@dataclass
+class Reuse:
+    """One module object called more than once in a forward pass. Each call's role is who
+    called it (the enclosing module) and with what input shapes: several roles (decoder
+    self- and cross-attention, two layers) share weights that were likely meant to be
+    separate; one role repeated (a block applied N times, ALBERT-style) is deliberate."""
+    path: str
+    type: str
+    calls: int
+    roles: list[str]
+
+    @property
+    def kind(self) -> str:
+        return "roles" if len(self.roles) > 1 else "repeated"
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "type": self.type, "calls": self.calls, "kind": self.kind,
+                "roles": self.roles}
+
+
+def reused_calls(events: list[ShapeEvent], model: nn.Module) -> list[Reuse]:
+    """Modules holding parameters that were called more than once, outermost only (a reused
+    block's children are called again because it is). A module without parameters (dropout,
+    a positional table) shares nothing to train, wherever it is called."""
+    weighted = {path for path, m in model.named_modules()
+                if next(m.parameters(), None) is not None}
+    by_path: dict[str, list[ShapeEvent]] = {}
+    for event in events:
+        by_path.setdefault(event.path, []).append(event)
+    out: list[Reuse] = []
+    for path, calls in by_path.items():
+        if len(calls) < 2 or path not in weighted or any(path.startswith(r.path + ".")
+                                                         for r in out):
+            continue
+        roles = []
+        for e in calls:
+            caller = events[e.parent].path if e.parent is not None else None
+            role = (f"called by {caller or '(model)'} with inputs "
+                    f"{', '.join(str(x) for x in e.inputs)}")
+            if role not in roles:
+                roles.append(role)
+        out.append(Reuse(path, calls[0].type, len(calls), roles))
+    return out
+
+
 class ForwardFailed(TfcliError):
     """The forward pass raised; carries the partial trace and where it stopped."""
 
