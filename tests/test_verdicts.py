@@ -1,0 +1,250 @@
+"""`masks --check` verdicts beyond the corpus (tests/test_corpus.py): per-head masks through
+nn.MultiheadAttention, NaN exactly as torch shows it, Hugging Face models, a probe that cannot
+tell, and user code that prints or imports its neighbours. Each expected verdict is computed
+here with plain torch where it is not evident from the model's construction."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+
+def checks(result) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in json.loads(result.stdout)["check"]["checks"]}
+
+
+PER_HEAD = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    '''Self-attention whose mask comes per head, [B*h, L, L], as nn.MultiheadAttention takes it.'''
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x, attn_mask):
+        return self.out(self.attn(x, x, x, attn_mask=attn_mask, need_weights=False)[0])
+"""
+
+
+def test_a_per_head_mask_is_probed_and_nn_multihead_attention_is_seen(cli, tmp_path):
+    path = tmp_path / "per_head.py"
+    path.write_text(PER_HEAD)
+    # B = 2 sequences x h = 4 heads: the mask's leading size is 8, batch-major
+    result = cli("masks", "--model", f"{path}:Block", "--input", "x=float32[B,L,16]",
+                 "--input", "attn_mask=bool[8,L,L]", "--causal", "x", "--check", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    check = json.loads(result.stdout)["check"]
+    (mask,) = check["masks"]
+    # nn.MultiheadAttention reads True as blocked: the probe finds it (the name is a user's)
+    assert (mask["layout"], mask["convention"]) == ("[B·h, L, L]", "bool-blocked")
+    assert mask["how"].startswith("probe:")
+    status = checks(result)
+    assert status["causality of x"] == "passed"
+    assert status["attention attn"] == "passed"  # its weights, asked of it in a second call
+
+
+def _transformer():
+    return torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+
+
+def test_nan_is_judged_as_the_plain_model_gives_it(cli):
+    """A sequence with no real token: torch's nn.Transformer in eval mode gives NaN where its
+    cross-attention has no key left. The verdict must say what torch shows, whether or not
+    observing the model (which turns its fast path off) would hide it."""
+    src, tgt = torch.randn(2, 5, 16), torch.randn(2, 4, 16)
+    padding = torch.tensor([[False] * 5, [True] * 5])  # sequence 1 is all padding
+    with torch.no_grad():
+        torch_out = _transformer()(src, tgt, src_key_padding_mask=padding,
+                                   memory_key_padding_mask=padding)
+    torch_nan = bool(torch_out.isnan().any())
+    result = cli("masks", "--model", "torch.nn:Transformer", "--model-arg", "d_model=16",
+                 "--model-arg", "nhead=2", "--model-arg", "num_encoder_layers=1",
+                 "--model-arg", "num_decoder_layers=1", "--model-arg", "dim_feedforward=32",
+                 "--model-arg", "dropout=0.0", "--model-arg", "batch_first=True",
+                 "--input", "src=float32[B,S,16]", "--input", "tgt=float32[B,T,16]",
+                 "--input", "src_key_padding_mask=bool[B,S]",
+                 "--input", "memory_key_padding_mask=bool[B,S]", "--dim", "T=4",
+                 "--lengths", "src=5,0", "--check", "--json")
+    assert checks(result)["no NaN"] == ("failed" if torch_nan else "passed"), result.stdout
+    assert result.exit_code == (1 if torch_nan else 0)
+
+
+@pytest.fixture
+def bert_t5(tmp_path):
+    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   intermediate_size=64, vocab_size=60,
+                                   max_position_embeddings=32, architectures=["BertModel"])
+    t5 = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                               num_heads=4, vocab_size=60, decoder_start_token_id=0)
+    paths = {}
+    for name, config in (("bert", bert), ("t5", t5)):
+        paths[name] = tmp_path / f"{name}.json"
+        config.to_json_file(paths[name])
+    return {"bert": bert, "t5": t5}, paths
+
+
+def _bert_is_causal(config) -> bool:
+    """Plain torch: does changing the last tokens move BertModel's first outputs?"""
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 60, (2, 9))
+    later = ids.clone()
+    later[:, 5:] = (later[:, 5:] % 59) + 1
+    with torch.no_grad():
+        a = model(input_ids=ids).last_hidden_state
+        b = model(input_ids=later).last_hidden_state
+    return bool(torch.allclose(a[:, :5], b[:, :5], atol=1e-5))
+
+
+def test_hugging_face_models_get_their_true_verdicts(cli, bert_t5):
+    configs, paths = bert_t5
+    bert = ["masks", "--model", f"hf:{paths['bert']}", "--lengths", "input_ids=9,4",
+            "--pad-id", "0", "--check", "--json"]
+    padded = cli(*bert)
+    assert padded.exit_code == 0, padded.stdout + padded.stderr
+    mask = json.loads(padded.stdout)["check"]["masks"][0]
+    assert (mask["name"], mask["convention"]) == ("attention_mask", "keep-01")
+    assert checks(padded)["padding of input_ids: content"] == "passed"
+    # asserting causality of a bidirectional encoder is false, and torch says so too
+    causal = cli(*bert, "--causal", "input_ids")
+    expected = "passed" if _bert_is_causal(configs["bert"]) else "failed"
+    assert expected == "failed" and checks(causal)["causality of input_ids"] == expected
+    assert causal.exit_code == 1
+    t5 = cli("masks", "--model", f"hf:{paths['t5']}", "--causal", "decoder_input_ids",
+             "--lengths", "input_ids=9,4", "--pad-id", "0", "--check", "--json")
+    assert t5.exit_code == 0, t5.stdout + t5.stderr
+    status = checks(t5)
+    assert status["causality of decoder_input_ids"] == "passed"
+    assert status["padding of input_ids: content"] == "passed"
+    # every attention call was seen and judged: encoder, decoder self and cross
+    assert sum(name.startswith("attention ") for name in status) == 3
+
+
+def test_a_probe_that_cannot_tell_asks_for_the_convention(cli):
+    """An ambiguous name on a model that ignores its padding mask: no convention leaves the
+    padded positions without influence, so tfcli says so and asks, rather than guess."""
+    result = cli("masks", "--model", "tests/corpus/annotated.py:build",
+                 "--model-arg", "bug=padding_ignored", "--input", "src=int64[B,S]",
+                 "--input", "tgt=int64[B,T]", "--input", "src_mask=bool[B,1,S]",
+                 "--input", "tgt_mask=bool[B,T,T]", "--causal", "tgt", "--lengths", "src=5,3",
+                 "--pad-id", "0", "--check")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "cannot tell its convention" in result.stderr and "--mask src_mask=" in result.stderr
+    given = cli("masks", "--model", "tests/corpus/annotated.py:build",
+                "--model-arg", "bug=padding_ignored", "--input", "src=int64[B,S]",
+                "--input", "tgt=int64[B,T]", "--input", "src_mask=bool[B,1,S]",
+                "--input", "tgt_mask=bool[B,T,T]", "--causal", "tgt", "--lengths", "src=5,3",
+                "--pad-id", "0", "--mask", "src_mask=bool-allowed",
+                "--mask", "tgt_mask=bool-allowed", "--check", "--json")
+    assert given.exit_code == 1 and json.loads(given.stdout)["check"]["verdict"] == "failed"
+
+
+NOISY = """
+print("importing the model")
+import torch
+from torch import nn
+from layers import Block  # a sibling file, as `python model.py` would find it
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        print("number of parameters: 0.01M")
+        self.emb = nn.Embedding(20, 16)
+        self.block = Block()
+
+    def forward(self, ids):
+        print("forward")
+        positions = torch.arange(ids.size(1))  # a CPU tensor made in forward
+        return self.block(self.emb(ids) + positions[:, None].float())
+"""
+LAYERS = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        scores = (x @ x.transpose(-2, -1)) / 4.0
+        causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
+        return self.proj(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ x)
+"""
+
+
+@pytest.mark.parametrize("command", [["shapes"], ["params"],
+                                     ["masks", "--causal", "ids", "--check"]])
+def test_a_model_that_prints_and_imports_its_sibling(cli, tmp_path, monkeypatch, command):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "model.py").write_text(textwrap.dedent(NOISY))
+    (folder / "layers.py").write_text(textwrap.dedent(LAYERS))
+    monkeypatch.chdir(tmp_path)  # not the model's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the import adds the model's folder
+    monkeypatch.delitem(sys.modules, "layers", raising=False)  # so this test imports it afresh
+    args = [command[0], "--model", "project/model.py:Model", "--input", "ids=int64[B,L]",
+            *command[1:], "--json"]
+    if command[0] == "shapes":
+        args += ["--device", "cpu"]  # positions made on the CPU in forward
+    result = cli(*args)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    json.loads(result.stdout)  # nothing the model printed is in the answer
+    assert "number of parameters" in result.stderr and "importing the model" in result.stderr
+    sys.modules.pop("layers", None)
+
+
+ALBERT = """
+from torch import nn
+
+
+class Shared(nn.Module):
+    # one block applied three times, ALBERT-style: deliberate reuse
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.block = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for _ in range(3):
+            x = self.block(x).relu()
+        return x
+"""
+
+
+def test_shapes_flags_one_module_called_in_two_roles(cli, tmp_path):
+    base = ["shapes", "--model", "tests/corpus/shared_attention.py:build",
+            "--input", "src=int64[B,S]", "--input", "tgt=int64[B,T]", "--json"]
+    correct = json.loads(cli(*base).stdout)["reused"]
+    assert [r for r in correct if r["kind"] == "roles"] == []
+    reused = json.loads(cli(*base, "--model-arg", "bug=reused").stdout)["reused"]
+    roles = [r for r in reused if r["kind"] == "roles"]
+    # the decoder's self-attention module, called again for cross-attention, in each layer
+    assert [r["path"] for r in roles] == ["decoder_layers.0.self_attn",
+                                          "decoder_layers.1.self_attn"]
+    assert all(r["calls"] == 2 and len(r["roles"]) == 2 for r in roles)
+    assert "[2, 9, 32]" in roles[0]["roles"][1]  # cross-attention: keys from the source S = 9
+    text = cli(*base[:-1], "--model-arg", "bug=reused").stdout
+    assert "one module in 2 roles: decoder_layers.0.self_attn (Attention)" in text
+    path = tmp_path / "albert.py"
+    path.write_text(ALBERT)
+    shared = json.loads(cli("shapes", "--model", f"{path}:Shared", "--input", "ids=int64[B,L]",
+                            "--json").stdout)["reused"]
+    assert shared == [{"path": "block", "type": "Linear", "calls": 3, "kind": "repeated",
+                       "roles": ["called by (model) with inputs [2, 9, 16]"]}]
