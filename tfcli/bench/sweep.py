@@ -20,6 +20,7 @@ from tfcli.bench.cases import DTYPES, TOLERANCE, Prepared, kernel_ran, prepare_a
 from tfcli.bench.fit import CI_RELIABLE, bootstrap_ci, loglog_slope, upper_half
 from tfcli.bench.timer import CALIBRATION_SIZE, RELIABLE_DISPERSION, CellTimer, Contention, \
     machine_state, matmul_timer, peak_memory
+from tfcli.subjects.base import error_text
 
 # Dense peak FLOP/s from the vendors' spec sheets (no sparsity); fp32 is non-tensor-core.
 GPU_PEAKS = {"A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
@@ -246,6 +247,7 @@ class Sweep:
         self._peak: CellTimer | None = None  # this length's matmul timer, with --calibrate
         self._contention: Contention | None = None  # since this length's rounds began
         self.interrupted = False
+        self.notes: list[str] = []  # how figures were obtained, where it is not the usual way
         self._prepare = prepare or self._prepare_cell
         self._after_cell = after_cell  # e.g. write a profiler trace of the measured cell
         self._models: dict = {}
@@ -290,17 +292,32 @@ class Sweep:
             sizes["T"] = s.tgt_len
         return sizes
 
-    def _model_flops(self, sizes: dict[str, int]) -> tuple[int, int]:
+    def _model_flops(self, sizes: dict[str, int], real: torch.nn.Module | None = None,
+                     device: str = "cpu") -> tuple[int, int]:
+        """Forward FLOPs at ``sizes``, from a trace on meta (nothing computed); a model that
+        cannot run there (a CPU tensor made in forward, a value read) is traced on its first
+        real run instead, ``real`` on ``device``, and the notes say so."""
         key = tuple(sorted(sizes.items()))
         if key not in self._flops:
-            from tfcli.inspection.shapes import trace
+            from tfcli.inspection.shapes import ForwardFailed, trace
 
-            device, abstract = self.subject.abstract_run("meta")
-            with abstract:
-                model = self.subject.build(device)
-                inputs = self.subject.make_inputs(model, sizes, device)
-                events = trace(model, inputs, causal_half=True,
-                               is_causal_scope=self.subject.is_causal_scope)
+            scope = self.subject.is_causal_scope
+            try:
+                abstract_device, abstract = self.subject.abstract_run("meta")
+                with abstract:
+                    model = self.subject.build(abstract_device)
+                    inputs = self.subject.make_inputs(model, sizes, abstract_device)
+                    events = trace(model, inputs, causal_half=True, is_causal_scope=scope)
+            except ForwardFailed as failed:
+                if real is None:
+                    raise
+                with torch.no_grad():
+                    events = trace(real, self.subject.make_inputs(real, sizes, device),
+                                   causal_half=True, is_causal_scope=scope)
+                note = (f"FLOPs counted on the model's first real run: it does not run on "
+                        f"meta ({error_text(failed.error, 120)})")
+                if note not in self.notes:
+                    self.notes.append(note)
             self._flops[key] = (events[0].flops, events[0].attention_flops)
         return self._flops[key]
 
@@ -312,8 +329,9 @@ class Sweep:
                                      length, s.causal, device, DTYPES[dtype], s.seed,
                                      kv_heads=s.kv_heads)
         sizes = self._sizes(length)
-        return prepare_model(self._model(kernel, device, dtype), self.subject, which, sizes,
-                             device, self._model_flops(sizes))
+        model = self._model(kernel, device, dtype)
+        return prepare_model(model, self.subject, which, sizes, device,
+                             self._model_flops(sizes, model, device))
 
     # --- the sweep ---------------------------------------------------------------------------
 

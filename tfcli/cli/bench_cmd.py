@@ -272,14 +272,14 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
         raise
     if json_out:
         print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
-                    "records": [r.to_dict() for r in records],
+                    "notes": sweep.notes, "records": [r.to_dict() for r in records],
                     "fits": [vars(f) for f in fitted],
                     "flop_convention": "2 × multiply-accumulates of matrix products; backward "
                                        "= 2 × forward; causal attention counts half"})
     else:
         console = stdout()
         render(records, fitted, env, console, sweep.interrupted)
-        for line in written:
+        for line in [*sweep.notes, *written]:
             console.print(line)
         if profile is not None and failed is None:
             console.print(f"wrote profiler traces to {profile}/ — view them with TensorBoard's "
@@ -292,6 +292,9 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
                          exit_code=1)
     if sweep.interrupted:
         raise typer.Exit(130)
+    if records and not any(r.status.startswith("ok") for r in records):
+        raise TfcliError(f"no cell was measured: all {len(records)} failed or were skipped "
+                         f"(each record says why)", exit_code=1)
 
 
 def _finish_outputs(csv_out: AtomicFile | None, plot: Path | None, records,

@@ -86,19 +86,33 @@ def shapes(
     if device.value != "meta":  # estimated on fake tensors first: refused, not OOM-killed
         guard_run(subject, dims, f"shapes --device {device.value}", max_memory, device.value)
     run_device, abstract = subject.abstract_run(device.value)
-    with abstract:
-        _trace_and_show(subject, run_device, device.value, dims, src_lens, tgt_lens, lengths,
-                        batch_size, depth, expand, backward, causal_flops, json_out)
+    args = (dims, src_lens, tgt_lens, lengths, batch_size, depth, expand, backward,
+            causal_flops, json_out)
+    try:
+        with abstract:
+            _trace_and_show(subject, run_device, device.value, *args,
+                            may_fall_back=device.value == "meta" and not given("device"))
+    except NotAbstract as failed:  # a CPU tensor made in forward, a value read: run it for real
+        guard_run(subject, dims, "shapes (on cpu: the model does not run on meta)", max_memory)
+        _trace_and_show(subject, "cpu", "cpu", *args, fallback=(
+            f"the forward pass cannot run without values ({failed}); traced on the CPU at "
+            f"the same sizes instead"))
+
+
+class NotAbstract(Exception):
+    """The forward pass failed on meta or fake tensors (a device mismatch, a data-dependent
+    operation): a real run on the CPU gives the same shapes."""
 
 
 def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, lengths,
-                    batch_size, depth, expand, backward, causal_flops, json_out) -> None:
+                    batch_size, depth, expand, backward, causal_flops, json_out,
+                    may_fall_back: bool = False, fallback: str | None = None) -> None:
     from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
     from tfcli.inspection.shapes import (ForwardFailed, ambiguous, infer_dims, reused_calls,
                                          symbolic, trace)
     from tfcli.model import masks
     from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.subjects.base import primary_output
+    from tfcli.subjects.base import error_text, primary_output
 
     from tfcli.render.progress import working
 
@@ -126,6 +140,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
             events = trace(model, inputs, causal_half=causal_flops,
                            is_causal_scope=subject.is_causal_scope)
     except ForwardFailed as failure:
+        if may_fall_back:
+            raise NotAbstract(error_text(failure.error, 160)) from None
         names = {**used, **subject.model_dims(model)}
         if json_out:
             print_json({"error": str(failure), "events": [e.to_dict() for e in failure.events]})
@@ -155,7 +171,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
 
     if json_out:
         print_json({
-            "dims": names, "ambiguous": unclear, "device": device_name,
+            "dims": names, "ambiguous": unclear, "device": device_name, "fallback": fallback,
             "reused": [r.to_dict() for r in reused],
             "subject": subject.describe(),
             "events": [{**e.to_dict(),
@@ -174,6 +190,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         })
         return
     console = stdout()
+    if fallback:
+        console.print(f"note: {fallback}", style="yellow")
     legend = "  ".join(f"{k}={v}" for k, v in names.items())
     console.print(f"dimensions: {legend}")
     for line in unclear:
