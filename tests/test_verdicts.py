@@ -248,3 +248,51 @@ def test_shapes_flags_one_module_called_in_two_roles(cli, tmp_path):
                             "--json").stdout)["reused"]
     assert shared == [{"path": "block", "type": "Linear", "calls": 3, "kind": "repeated",
                        "roles": ["called by (model) with inputs [2, 9, 16]"]}]
+
+
+PROJECTED = """
+import torch
+from torch import nn
+
+
+class Projected(nn.Module):
+    # a 16-wide embedding projected to the 32-wide model, attention of 4 heads x 8
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.up = nn.Linear(16, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, ids):
+        x = self.up(self.emb(ids))
+        return self.attn(x, x, x)[0]
+
+
+class NoForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+"""
+
+
+def test_names_come_from_what_the_model_did(cli, tmp_path):
+    from tfcli.inspection.shapes import symbolic
+
+    nano = json.loads(cli("shapes", "--model", "tests/corpus/nanogpt.py:build",
+                          "--input", "idx=int64[B,L]", "--json").stdout)
+    # c_attn (32 -> 96) feeds the q, k, v split; nothing maps 96 back: not the FFN's width
+    assert nano["dims"]["3·d_model"] == 96 and nano["dims"]["d_ff"] == 128
+    assert nano["dims"]["V"] == 50  # the token table, not the 64-position table
+    c_attn = next(e for e in nano["events"] if e["path"].endswith("attn.c_attn"))
+    assert c_attn["outputs_symbolic"] == ["[B, L, 3·d_model]"]
+    path = tmp_path / "projected.py"
+    path.write_text(PROJECTED)
+    dims = json.loads(cli("shapes", "--model", f"{path}:Projected", "--input", "ids=int64[B,L]",
+                          "--json").stdout)["dims"]
+    assert (dims["d_embed"], dims["d_model"], dims["h"], dims["d_k"]) == (16, 32, 4, 8)
+    # a broadcast head axis of size 1 is 1, also when the batch is 1
+    assert symbolic([1, 1, 5, 5], {"B": 1, "L": 5}) == "[B, 1, L, L]"
+    result = cli("shapes", "--model", f"{path}:NoForward", "--input", "x=float32[B,4]")
+    assert result.exit_code == 2
+    assert "NoForward defines no forward()" in result.stderr

@@ -252,17 +252,21 @@ def _settle(events: list[ShapeEvent], ops: dict[int, list[Op]], causal_half: boo
 
 
 def infer_dims(model: nn.Module, events: list[ShapeEvent]) -> dict[str, int]:
-    """Names for a model tfcli did not build, from what it is made of and what it did:
-    d_model and V from its token embedding, h, h_kv and d_k from its attention calls, d_ff
-    from the widest linear layer fed by d_model."""
+    """Names for a model tfcli did not build, only where what it is made of and what it did
+    support them: V from its token embedding; h, h_kv and d_k from its attention calls;
+    d_model from the embedding, or h·d_k when the embedding is projected to that width (the
+    embedding's own width is then d_embed); d_ff from the widest linear layer fed by d_model
+    that another maps back; a d_model -> 3·d_model layer nothing maps back is a fused
+    Q, K, V projection, named 3·d_model."""
     names: dict[str, int] = {}
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if embeddings:
-        token = max(embeddings, key=lambda m: m.num_embeddings)
-        names["d_model"] = token.embedding_dim
-    elif linears:
-        names["d_model"] = linears[0].in_features
+    # Token tables are looked up with batched ids [B, L]; a position table with [L].
+    batched = {e.path for e in events if e.type == "Embedding" and e.inputs and e.inputs[0]
+               and len(e.inputs[0]) >= 2}
+    tokens = [m for path, m in model.named_modules() if path in batched
+              and isinstance(m, nn.Embedding)]
+    embeddings = tokens or embeddings
     for event in events:
         for d in event.details:
             if d.label.startswith("scores") and d.shape and len(d.shape) == 4:
@@ -272,11 +276,24 @@ def infer_dims(model: nn.Module, events: list[ShapeEvent]) -> dict[str, int]:
                 names.setdefault("d_k", d.shape[3])
             if d.label == "weights·V" and d.shape and len(d.shape) == 4:
                 names.setdefault("d_k", d.shape[3])
-    if "d_model" in names:
-        wide = [m.out_features for m in linears if m.in_features == names["d_model"]
-                and m.out_features > names["d_model"]]
+    width = None
+    if embeddings:
+        width = max(embeddings, key=lambda m: m.num_embeddings).embedding_dim
+    elif linears:
+        width = linears[0].in_features
+    attention_width = names["h"] * names["d_k"] if "h" in names and "d_k" in names else None
+    if width is not None and attention_width not in (None, width) and any(
+            m.in_features == width and m.out_features == attention_width for m in linears):
+        names["d_embed"], width = width, attention_width  # an embedding projected up or down
+    if width is not None:
+        names["d_model"] = width
         vocab = max((m.num_embeddings for m in embeddings), default=None)
-        wide = [w for w in wide if w != vocab]
+        back = {m.in_features for m in linears if m.out_features == width}
+        wide = [m.out_features for m in linears if m.in_features == width
+                and m.out_features > width and m.out_features != vocab]
+        if 3 * width in wide and 3 * width not in back:
+            names["3·d_model"] = 3 * width  # q, k and v in one product
+        wide = [w for w in wide if w in back]
         if wide:
             names["d_ff"] = max(set(wide), key=wide.count)
     if embeddings:
@@ -298,4 +315,10 @@ def symbolic(shape: list[int] | None, names: dict[str, int]) -> str:
     by_value: dict[int, list[str]] = {}
     for name, value in names.items():
         by_value.setdefault(value, []).append(name)
-    return "[" + ", ".join("|".join(by_value[d]) if d in by_value else str(d) for d in shape) + "]"
+
+    def name(axis: int, size: int) -> str:
+        # Size 1 off the first axis is a broadcast (a mask's head axis), not the batch.
+        letters = [n for n in by_value.get(size, []) if not (size == 1 and n == "B" and axis)]
+        return "|".join(letters) if letters else str(size)
+
+    return "[" + ", ".join(name(i, d) for i, d in enumerate(shape)) + "]"

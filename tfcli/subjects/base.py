@@ -25,7 +25,9 @@ from tfcli.errors import InputError, TfcliError
 # What the letters mean wherever a shape is printed.
 LEGEND = {"B": "batch", "S": "source length", "T": "target length", "L": "sequence length",
           "h": "query heads", "h_kv": "key/value heads", "d_k": "head dimension",
-          "d_model": "model width", "d_ff": "FFN hidden width", "V": "vocabulary"}
+          "d_model": "model width", "d_ff": "FFN hidden width", "V": "vocabulary",
+          "d_embed": "embedding width, projected to d_model",
+          "3·d_model": "fused Q, K, V projection width"}
 LENGTH_LETTERS = ("S", "T", "L")
 
 DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int64,

@@ -150,6 +150,10 @@ class UserSubject(Subject):
         if not isinstance(model, nn.Module):
             raise TfcliError(f"--model {self.ref}: it returned {type(result).__name__}, not an "
                              f"nn.Module or (module, example_inputs)")
+        if type(model).forward is nn.Module.forward:
+            raise TfcliError(f"--model {self.ref}: {type(model).__name__} defines no forward() "
+                             f"(nn.Module's own only raises NotImplementedError); define "
+                             f"forward(self, ...) in it")
         if str(device) != "meta":
             _materialise(model, device)
         self._given = given
