@@ -287,6 +287,17 @@ TORCH_CASES: list[Case] = [
     Case("masks-model-forward-raises-check", ["masks", "--model", "m.py:Boom", "--input",
                                               "x=float32[B,4]", "--check"], 1,
          "forward pass failed in (model) (Boom)", files={"m.py": FAIL_OWN_CODE.encode()}),
+    # torch's fake-tensor logger would print a 20-line traceback of the same failure first
+    Case("params-model-fails-on-fake-tensors", ["params", "--model", "m.py:M", "--input",
+                                                "x=float32[B,4]", "--seq-len", "4"], 1,
+         "a and b must have same reduction dim", files={"m.py": (
+             b"import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
+             b"        return x @ torch.ones(5, 5)\n")}),
+    # --parallel and --inference for --model are refused before the model is imported
+    Case("params-parallel-model-refused-before-import", ["params", "--model", "m.py:M",
+                                                         "--parallel", "dp=2"], 2,
+         "--parallel needs tfcli's own configuration",
+         files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-model-exits-in-forward", ["params", "--model", "m.py:Quits", "--input",
                                            "x=float32[B,4]", "--seq-len", "4"], 1,
          "the model called sys.exit(5)", files={"m.py": FAIL_OWN_CODE.encode()}),

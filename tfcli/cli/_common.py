@@ -275,6 +275,7 @@ def _prepare_process() -> None:
     or a huge number becomes a width Rich can lay tables out in; torch's NumPy warning (when
     the environment lacks numpy) is not repeated before every message."""
     import codecs
+    import logging
     import warnings
 
     codecs.register_error("tfcli-ascii", _ascii_fallback)
@@ -289,6 +290,10 @@ def _prepare_process() -> None:
         width = int(columns) if columns.strip().isdigit() and len(columns) < 8 else MIN_WIDTH
         os.environ["COLUMNS"] = str(min(max(width, MIN_WIDTH), MAX_WIDTH))
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    # A user's forward failing on fake tensors is one tfcli line; torch's fake-tensor logger
+    # would print the same failure again as a 20-40 line traceback first. A filter, not a
+    # level: torch's logging set-up resets levels when torch is imported.
+    logging.getLogger("torch._subclasses.fake_tensor").addFilter(lambda record: False)
 
 
 class _Stopped(Exception):

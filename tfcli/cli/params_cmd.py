@@ -133,6 +133,10 @@ def params(
     from tfcli.cli._common import refuse_table_options
 
     refuse_table_options(json_out)
+    own_only = [o for o, v in (("--inference", inference), ("--parallel", parallel)) if v]
+    if model_ref is not None and own_only:  # said before a model is imported or built
+        raise TfcliError(f"{own_only[0]} needs tfcli's own configuration "
+                         f"(--preset/--config/--set); for --model it is not computed yet")
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
