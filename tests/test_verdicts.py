@@ -242,6 +242,11 @@ def test_shapes_flags_one_module_called_in_two_roles(cli, tmp_path):
     assert "[2, 9, 32]" in roles[0]["roles"][1]  # cross-attention: keys from the source S = 9
     text = cli(*base[:-1], "--model-arg", "bug=reused").stdout
     assert "one module in 2 roles: decoder_layers.0.self_attn (Attention)" in text
+    # params flags it too when it runs the model (--seq-len)
+    params = json.loads(cli("params", *base[1:-1], "--model-arg", "bug=reused", "--seq-len", "8",
+                            "--json").stdout)
+    assert [r["path"] for r in params["reused_calls"] if r["kind"] == "roles"] == \
+        [r["path"] for r in roles]
     path = tmp_path / "albert.py"
     path.write_text(ALBERT)
     shared = json.loads(cli("shapes", "--model", f"{path}:Shared", "--input", "ids=int64[B,L]",

@@ -208,6 +208,7 @@ def params(
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel)
             how += f"; attention kernel: {assumed}, on {device.value}"
+        report.reused_calls = _reused_calls(subject, dims)
     if not inference:
         memory = mem.training_memory(report.total_params, report.trainable_params,
                                      report.buffer_numel, dtype.value, optimizer.value, mixed,
@@ -235,6 +236,21 @@ def params(
     render(report, rows, memory, how, stdout(),
            title=f"parameters: {cfg.kind}, d_model {cfg.d_model}" if cfg is not None
            else f"parameters: {subject.label}")
+
+
+def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:
+    """Modules called in several roles by one forward at ``dims`` (a trace on meta or fake
+    tensors, as the replay ran it); nothing when the trace cannot run."""
+    from tfcli.inspection.shapes import ForwardFailed, reused_calls, trace
+
+    device, abstract = subject.abstract_run("meta")
+    try:
+        with abstract:
+            model = subject.build(device)
+            events = trace(model, subject.make_inputs(model, dims, device))
+    except ForwardFailed:
+        return []
+    return [r.to_dict() for r in reused_calls(events, model)]
 
 
 def _refuse_what_does_nothing(subject, per_rank: str | None, batch_size: int,

@@ -51,6 +51,8 @@ class ParamReport:
     by_component: dict[str, int]
     by_kind: dict[str, int]
     check_total: int  # sum(p.numel() for p in model.parameters()), for the reconciliation line
+    # one module called in several roles, when params ran the model (see shapes.reused_calls)
+    reused_calls: list[dict] = field(default_factory=list)
 
     @property
     def non_trainable_params(self) -> int:

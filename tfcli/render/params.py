@@ -140,6 +140,11 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
     for paths in report.reused_modules:
         lines.append("warning: one module object is used at " + ", ".join(paths)
                      + " (its weights are shared; was that intended?)")
+    for reuse in report.reused_calls:
+        if reuse["kind"] == "roles":
+            lines.append(f"warning: one module in {len(reuse['roles'])} roles: {reuse['path']} "
+                         f"({reuse['type']}) is {'; '.join(reuse['roles'])} (its weights are "
+                         f"shared across them; was that intended?)")
     parts.append(Text("\n".join(lines)))
 
     summary = Table(title="by component and by kind", title_justify="left")
