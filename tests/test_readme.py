@@ -22,7 +22,8 @@ def test_readme_has_examples():
 @pytest.mark.parametrize("line", EXAMPLES)
 def test_readme_example_runs(cli, line, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples may write files (--csv, --profile)
-    (tmp_path / "examples").symlink_to(README.parent / "examples")  # as from the repository
+    for folder in ("examples", "tests"):  # as from the repository (tests/corpus: models)
+        (tmp_path / folder).symlink_to(README.parent / folder)
     result = cli(*shlex.split(line)[1:])
     assert result.exit_code == 0, result.stderr
 
