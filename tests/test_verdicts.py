@@ -301,3 +301,142 @@ def test_names_come_from_what_the_model_did(cli, tmp_path):
     result = cli("shapes", "--model", f"{path}:NoForward", "--input", "x=float32[B,4]")
     assert result.exit_code == 2
     assert "NoForward defines no forward()" in result.stderr
+
+
+RAW_WRITER = """
+import os
+import sys
+
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        sys.__stdout__.write("to sys.__stdout__ while built\\n")
+        os.write(1, b"to descriptor 1 while built\\n")
+
+    def forward(self, x):
+        sys.__stdout__.write("to sys.__stdout__ in forward\\n")
+        os.write(1, b"to descriptor 1 in forward\\n")
+        return self.lin(x)
+"""
+
+
+def test_stdout_holds_only_the_answer_even_when_the_model_writes_to_descriptor_1(tmp_path):
+    """In a real process (the descriptors are the point): what the model writes past print()
+    goes to stderr, and --json stays one document."""
+    import subprocess
+
+    path = tmp_path / "raw.py"
+    path.write_text(RAW_WRITER)
+    result = subprocess.run([sys.executable, "-m", "tfcli", "masks", "--model", f"{path}:Model",
+                             "--input", "x=float32[B,L,4]", "--causal", "x", "--check",
+                             "--json"], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert json.loads(result.stdout)["check"]["verdict"] == "incomplete"  # no attention
+    assert result.returncode == 3
+    assert "to descriptor 1 in forward" in result.stderr
+    assert "to sys.__stdout__ while built" in result.stderr
+
+
+SWITCHES = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Model(nn.Module):
+    '''A causal decoder with one attention, written in the ways the sweep found tfcli misread:
+    mutate (changes its input in place), dropout (left on in eval), kq (scores as K·Qᵀ with
+    the softmax over dim=-2), leak (query 1 may see key 2), heads (a [B, h, L, L] mask).'''
+
+    def __init__(self, mutate=False, dropout=False, kq=False, leak=False, fail=False):
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.mutate, self.dropout, self.kq, self.leak, self.fail = mutate, dropout, kq, leak, fail
+
+    def forward(self, ids, mask=None):
+        if self.fail:
+            raise RuntimeError("the model's own bug")
+        x = self.emb(ids)
+        if self.mutate:
+            ids.add_(1)
+        n = ids.size(1)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()
+        if self.leak:
+            allowed[1, 2] = True
+        if mask is not None:  # [B, h, L, L] or [B, L], True = may attend
+            allowed = allowed & (mask[:, 0] if mask.dim() == 4 else mask[:, None, :])
+        if self.kq:
+            scores = self.k(x) @ self.q(x).transpose(-2, -1)  # [B, K, Q]
+            weights = scores.masked_fill(~allowed.transpose(-2, -1), -1e9).softmax(dim=-2)
+            weights = weights.transpose(-2, -1)
+        else:
+            scores = self.q(x) @ self.k(x).transpose(-2, -1)
+            weights = scores.masked_fill(~allowed, -1e9).softmax(-1)
+        if self.dropout:
+            weights = F.dropout(weights, 0.5, training=True)  # left on in eval
+        return self.out(weights @ x)
+"""
+
+
+@pytest.fixture
+def switches(tmp_path):
+    path = tmp_path / "switches.py"
+    path.write_text(SWITCHES)
+    return ["masks", "--model", f"{path}:Model", "--input", "ids=int64[B,L]", "--causal", "ids",
+            "--check", "--json"]
+
+
+@pytest.mark.parametrize("args,verdict,expected", [
+    # a correct model that changes its input in place: every run gets fresh copies
+    (["--model-arg", "mutate=True"], "passed", {"causality of ids": "passed"}),
+    # dropout left on in eval: each run starts from the same random state
+    (["--model-arg", "dropout=True", "--input", "mask=bool[B,L]", "--mask", "mask=bool-allowed",
+      "--lengths", "ids=7,4", "--pad-id", "0"], "incomplete",
+     {"causality of ids": "passed", "padding of ids: content": "passed",
+      "padding of ids: length": "not checked"}),
+    # scores written K·Qᵀ, softmax over the keys at dim=-2
+    (["--model-arg", "kq=True"], "passed", {"attention (model)": "passed"}),
+    (["--model-arg", "kq=True", "--model-arg", "leak=True"], "failed",
+     {"causality of ids": "failed", "attention (model)": "failed"}),
+    # SDPA's per-head layout [B, h, L, L]: the same mask for each head
+    (["--input", "mask=bool[B,4,L,L]", "--lengths", "ids=7,4", "--pad-id", "0"], "passed",
+     {"padding of ids: content": "passed"}),
+    # nothing to compare: no split point, no real position, nothing asserted
+    (["--dim", "L=1"], "incomplete", {"causality of ids": "not checked"}),
+])
+def test_what_the_sweep_found(cli, switches, args, verdict, expected):
+    result = cli(*switches, *args)
+    data = json.loads(result.stdout)["check"]
+    status = {c["name"]: c["status"] for c in data["checks"]}
+    assert data["verdict"] == verdict, (status, result.stderr)
+    assert {k: status.get(k) for k in expected} == expected
+    if "kq=True" in args and "leak=True" in args:  # the leak is named where it is
+        assert "query 1 on key 2" in next(c["detail"] for c in data["checks"]
+                                          if c["name"] == "attention (model)")
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (["--dim", "B=9"], 2, "the batch and L are both 9"),
+    (["--model-arg", "fail=True", "--input", "mask=bool[B,L]", "--lengths", "ids=7,4",
+      "--pad-id", "0"], 1, "RuntimeError: the model's own bug"),  # probing: its own failure
+    (["--lengths", "ids=7,4", "--pad-id", "99"], 2, "--pad-id 99: token ids of ids are 0..29"),
+    (["--mask", "ids=keep-01", "--lengths", "ids=7,4", "--pad-id", "0"], 2,
+     "ids is a sequence (--lengths names it), not a mask argument"),
+    (["--lengths", "ids=7,4", "--lengths", "ids=3,3", "--pad-id", "0"], 2, "given twice"),
+])
+def test_what_the_sweep_found_refused_or_failed(cli, switches, args, code, words):
+    result = cli(*switches, *args)
+    assert result.exit_code == code and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_a_check_with_nothing_asserted_is_incomplete(cli, switches):
+    args = [a for a in switches if a not in ("--causal", "ids")]
+    data = json.loads(cli(*args).stdout)["check"]
+    assert data["verdict"] == "incomplete"
+    assert {c["name"]: c["status"] for c in data["checks"]}["what to check"] == "not checked"

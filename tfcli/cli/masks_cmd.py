@@ -200,12 +200,15 @@ def masks(
             example = example_inputs(cfg, batch_size, lens.get("src", 1), lens.get("tgt", 1))
             kwargs = {k: ids_given.get(k, v) for k, v in example.items() if v is not None}
             valid = {side: sides[side].whole() for side in sides}
-            if len(valid) == 2 and lens["src"] == lens["tgt"]:
-                # One more padded target position, so that self- and cross-attention calls
-                # differ in their key length (the check tells them apart by it).
-                kwargs["tgt"] = torch.cat([kwargs["tgt"], kwargs["tgt"][:, -1:]], 1)
-                valid["tgt"] = torch.cat([valid["tgt"], torch.zeros(batch_size, 1,
-                                                                     dtype=torch.bool)], 1)
+            for side in valid:
+                # More padded positions until the lengths differ from each other and from
+                # the batch: the check tells attention calls and output axes apart by size.
+                while valid[side].size(1) == batch_size or any(
+                        valid[side].size(1) == valid[other].size(1)
+                        for other in valid if other < side):
+                    kwargs[side] = torch.cat([kwargs[side], kwargs[side][:, -1:]], 1)
+                    valid[side] = torch.cat([valid[side], torch.zeros(batch_size, 1,
+                                                                      dtype=torch.bool)], 1)
             kwargs.update({f"{side}_valid": v for side, v in valid.items()})
             vocabs = [v for v in (cfg.src_vocab_size, cfg.tgt_vocab_size) if v]
             plan = make_plan(OwnSubject(naive), model, Inputs((), kwargs), valid, [], {},
@@ -305,6 +308,8 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         name, sep, values = text.partition("=")
         if not sep or not name.strip().isidentifier():
             raise TfcliError(f"--lengths {text!r}: expected NAME=N,N,… e.g. --lengths src=5,3")
+        if name.strip() in lengths:
+            raise TfcliError(f"--lengths {name.strip()} is given twice; give it once")
         lengths[name.strip()] = int_list(values, f"--lengths {name.strip()}=", "5,3")
     mask_options: dict[str, str] = {}
     for text in mask_text or []:
@@ -360,11 +365,12 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
 
 
 def _apart(dims: dict[str, int], padded: set[str], used: set[str]) -> None:
-    """Give each padded length letter a size no other length letter in use has: the check
-    tells attention calls apart by their query and key lengths (more padding changes
-    nothing)."""
+    """Give each padded length letter a size no other length letter in use has, nor the
+    batch: the check tells attention calls apart by their query and key lengths, and an
+    output's axes by their sizes (more padding changes nothing)."""
     for letter in sorted(padded):
-        while any(n == dims[letter] for k, n in dims.items() if k != letter and k in used):
+        while any(n == dims[letter] for k, n in dims.items()
+                  if k != letter and (k in used or k == "B")):
             dims[letter] += 1
 
 

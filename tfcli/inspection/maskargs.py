@@ -44,19 +44,19 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "int"
 
 
-def documented(name: str, dtype: torch.dtype, model_module: str, kind: str) -> tuple[str, str] | None:
+def documented(name: str, dtype: torch.dtype, model_module: str,
+               kind: str) -> tuple[str, str] | None:
     """(convention, how) for an argument name whose library documents its convention."""
-    torch_own = model_module.startswith("torch.nn")
-    if name in _TORCH_PADDING or (torch_own and name in _TORCH_ANY):
+    if name in _TORCH_PADDING or (model_module.startswith("torch.nn") and name in _TORCH_ANY):
         where = "PyTorch's nn.Transformer/nn.MultiheadAttention"
         if dtype == torch.bool:
             return "bool-blocked", f"documented for {name} in {where}: True = blocked"
         if dtype.is_floating_point:
             return "additive", f"documented for a float {name} in {where}: added to the scores"
         return None
-    if name in _HF and (kind == "hf" or dtype_kind(dtype) == "int"):
-        if dtype_kind(dtype) == "int" or (kind == "hf" and dtype != torch.bool):
-            return "keep-01", f"documented for {name} in Transformers: 1 = keep, 0 = padding"
+    # Transformers' 1/0 attention masks: integer anywhere; float too for its own models
+    if name in _HF and dtype != torch.bool and (dtype_kind(dtype) == "int" or kind == "hf"):
+        return "keep-01", f"documented for {name} in Transformers: 1 = keep, 0 = padding"
     return None
 
 
@@ -96,8 +96,12 @@ class MaskArg:
         return any(a == "B" or (isinstance(a, int) and a > 1) for a in self.axes[:-1])
 
     def layout(self) -> str:
-        return "[" + ", ".join("B·h" if isinstance(a, int) and a > 1 else str(a)
-                               for a in self.axes) + "]"
+        def name(a) -> str:
+            if isinstance(a, tuple):
+                return "h"
+            return "B·h" if isinstance(a, int) and a > 1 else str(a)
+
+        return "[" + ", ".join(name(a) for a in self.axes) + "]"
 
     def to_dict(self) -> dict:
         return {"name": self.name, "layout": self.layout(), "dtype": str(self.dtype)[6:],
@@ -119,10 +123,12 @@ def axes_of(name: str, dims: tuple | list, shape: list[int], letters: dict[str, 
             axes.append(by_size[0])
         elif size == 1:
             axes.append(1)
-        elif size == batch and dim is None:
+        elif size == batch and dim is None and "B" not in axes:
             axes.append("B")
-        elif size % batch == 0 and not last_two:
+        elif i == 0 and len(shape) == 3 and size % batch == 0:
             axes.append(size)  # B·h, batch-major, as nn.MultiheadAttention's 3-D attn_mask
+        elif not last_two:
+            axes.append(("h", size))  # a head axis (as SDPA's [B, h, T, S]): the same per head
         else:
             raise TfcliError(f"mask argument {name} {list(shape)}: cannot tell which sequence "
                              f"its axis {i} (size {size}) belongs to; describe it with "
@@ -164,6 +170,9 @@ def build(arg: MaskArg, allowed: Tensor, convention: str) -> Tensor:
         shape = [core.size(0) if i == batch_at[0] else 1 for i in range(len(lead))]
         shape += list(core.shape[1:])
     x = core.reshape(shape)
+    heads = [a[1] if isinstance(a, tuple) else n for a, n in zip(lead, shape)]
+    if heads != shape[:len(lead)]:  # head axes: the same mask for every head
+        x = x.expand(*heads, *x.shape[len(lead):]).contiguous()
     if convention == "bool-allowed":
         return x.clone()
     if convention == "bool-blocked":

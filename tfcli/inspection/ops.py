@@ -198,7 +198,8 @@ class OpObserver(TorchFunctionMode):
                 self._weights[out] = True
                 op = Op("softmax", list(out.shape), note="weights")
                 if self.keep_values:
-                    op.weights, op.blocked = out.detach(), blocked
+                    op.weights, op.blocked = _keys_last(out.detach(), blocked,
+                                                        _softmax_dim(args, kwargs))
                 self._emit(op)
         elif (func in _FILLS or func in (F.dropout, Tensor.to, Tensor.type, Tensor.float,
                                          Tensor.contiguous)) and args[0] in self._weights:
@@ -263,6 +264,22 @@ class OpObserver(TorchFunctionMode):
                 extra={"batch_first_query": list(query.shape)})
         op.weights, op.blocked = weights.detach(), blocked
         self._emit(op)
+
+
+def _softmax_dim(args, kwargs) -> int:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
+    return -1 if dim is None else int(dim)
+
+
+def _keys_last(weights: Tensor, blocked: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
+    """Weights with the softmax's axis (the keys) last, [..., Q, K], as the checks read them:
+    scores written K·Qᵀ take their softmax over dim=-2."""
+    dim = dim % weights.dim()
+    if dim == weights.dim() - 1:
+        return weights, blocked
+    if blocked is not None:
+        blocked = blocked.expand(weights.shape).movedim(dim, -1)
+    return weights.movedim(dim, -1), blocked
 
 
 def _sdpa_weights(q: Tensor, k: Tensor, mask, causal: bool, scale) -> tuple[Tensor, Tensor]:

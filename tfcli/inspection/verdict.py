@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from tfcli.errors import TfcliError
 from tfcli.inspection import maskargs
@@ -36,6 +37,7 @@ from tfcli.inspection.maskargs import MaskArg
 from tfcli.subjects.base import Inputs, RunFailed, primary_output, running
 
 TOLERANCE = 1e-5  # relative to the output's largest magnitude: same arithmetic, other shapes
+SEED = 0  # every run of the model starts from the same random state
 WEIGHT_TOLERANCE = 1e-6  # a blocked key's weight: exp(-1e9) and exp(-inf) are exactly 0
 
 
@@ -141,9 +143,15 @@ def feed(model: nn.Module, plan: Plan, values: dict[str, Tensor], valid: dict[st
     return inputs
 
 
-def _run(model: nn.Module, inputs: Inputs, during: str) -> Tensor:
+def _run(model: nn.Module, inputs: Inputs, during: str, seed: int = SEED) -> Tensor:
+    """One plain run on fresh copies of ``inputs`` (a model may change its inputs in place),
+    with the random numbers seeded alike, so that dropout left on in eval or noise drawn in
+    forward is the same in the runs a check compares."""
+    fresh = Inputs(*tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t,
+                             (inputs.args, inputs.kwargs)))
+    torch.manual_seed(seed)
     with running(model, during=during), torch.no_grad():
-        return primary_output(inputs(model))
+        return primary_output(fresh(model))
 
 
 def _as_bl(output: Tensor, seq: Seq, length: int, batch: int) -> Tensor | None:
@@ -203,22 +211,35 @@ def settle_conventions(model: nn.Module, plan: Plan, say: Callable[[str], None])
     quiet = [a for a in open_ if not carries(a, plan)]
     if quiet:
         names = ", ".join(a.name for a in quiet)
+        choices = ", ".join(maskargs.CANDIDATES[maskargs.dtype_kind(quiet[0].dtype)])
         raise TfcliError(f"mask argument {names}: nothing here is padded or causal along its "
                          f"axes, so no probe can tell its convention; give --mask "
-                         f"{quiet[0].name}=CONVENTION ({', '.join(maskargs.CANDIDATES[maskargs.dtype_kind(quiet[0].dtype)])}), "
-                         f"or --lengths/--causal for the sequence it masks")
+                         f"{quiet[0].name}=CONVENTION ({choices}), or --lengths/--causal for "
+                         f"the sequence it masks")
     combos = list(itertools.product(*(maskargs.CANDIDATES[maskargs.dtype_kind(a.dtype)]
                                       for a in open_)))
-    results = []
+    results, failures = [], []
     for combo in combos:
         say(f"probing mask conventions: {', '.join(combo)}")
         conventions = {a.name: c for a, c in zip(open_, combo)}
-        results.append((combo, _influence(model, plan, conventions)))
+        try:
+            results.append((combo, _influence(model, plan, conventions)))
+        except RunFailed as failed:  # perhaps only under a convention read the wrong way
+            failures.append(failed)
+            results.append((combo, math.inf))
+    if len(failures) == len(combos):  # under every convention: the model's own failure
+        raise failures[0]
     clean = [combo for combo, moved in results if moved == 0.0]
     figures = "; ".join(f"{'/'.join(combo)}: "
                         + ("no influence" if moved == 0.0 else f"moved {moved:.3g}")
                         for combo, moved in results)
     names = ", ".join(a.name for a in open_)
+    if len(clean) != 1 and len(combos) == 1:
+        raise TfcliError(f"mask argument {names}: under {combos[0][0]}, the only convention "
+                         f"of its dtype tfcli builds, the blocked positions kept their "
+                         f"influence ({figures}); if the model reads it another way (1 = "
+                         f"blocked), give it as bool, else --mask {open_[0].name}="
+                         f"{combos[0][0]} checks the model as it is")
     if len(clean) != 1:
         why = ("under no convention did the blocked positions lose their influence (the model "
                "may ignore the mask: --mask lets the check report that)" if not clean
@@ -236,13 +257,12 @@ def settle_conventions(model: nn.Module, plan: Plan, say: Callable[[str], None])
 
 def _influence(model: nn.Module, plan: Plan, conventions: dict[str, str]) -> float:
     """How far the blocked positions moved real outputs under ``conventions`` (0: not at all;
-    inf: NaN). Causality at every split, and padded content where a mask tells padding."""
+    inf: NaN or a failed run): causality at the first split (every later token changed; a
+    convention read the wrong way round leaks there), and padded content where a mask tells
+    where padding is. The check proper then tests every split."""
     values = {name: plan.base.named(model)[name] for name in plan.seqs}
     inputs = feed(model, plan, values, plan.valid, plan.sizes, conventions)
-    try:
-        output = _run(model, inputs, "probing mask conventions")
-    except RunFailed:
-        return math.inf
+    output = _run(model, inputs, "probing mask conventions")
     scale = max(1.0, float(output.float().nan_to_num(0.0).abs().amax())) * TOLERANCE
     worst = 0.0
     for seq in plan.seqs.values():
@@ -324,8 +344,6 @@ def _content_move(model, plan: Plan, seq: Seq, values, conventions, output) -> f
 
 def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: None) -> Verdict:
     """Run every check of the module docstring on ``plan`` (conventions settled or probed)."""
-    from tfcli.inspection.ops import OpObserver
-
     model.eval()
     settle_conventions(model, plan, say)
     verdict = Verdict(masks=plan.masks, notes=list(plan.notes))
@@ -335,13 +353,20 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
     output = _run(model, inputs, "the plain run")
     scale = max(1.0, float(output.float().nan_to_num(0.0).abs().amax())) * TOLERANCE
 
+    # Comparing runs means something only if one input gives one output. Each run starts
+    # from the same random state; a model that still varies cannot be judged by comparison,
+    # and one that draws random numbers (dropout left on) draws others at another length.
+    unsteady = _differs(_run(model, inputs, "a second plain run"), output, scale)
+    random = not unsteady and _differs(
+        _run(model, inputs, "a run from another random state", seed=SEED + 1), output, scale)
+    if random:
+        verdict.notes.append("the model draws random numbers in eval mode (dropout left on, "
+                             "noise in forward): every run starts from the same random state")
+
     # The observed run: the same inputs, with every attention call's weights kept.
     seen = _observe(model, inputs)
     verdict.seen = seen.calls
-    observed_output = seen.output
-    same_nan = bool((observed_output.isnan() == output.isnan()).all()) \
-        if observed_output.shape == output.shape else False
-    if not same_nan or _moved(observed_output, output, ~output.isnan()) > scale:
+    if _differs(seen.output, output, scale):
         verdict.notes.append(
             "observing the model changed its output (a fast path that turns off while it is "
             "observed, such as nn.Transformer's in eval mode): the output checks judge the "
@@ -352,43 +377,67 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
         "no NaN", "failed" if bool(nan.any()) else "passed",
         f"{int(nan.sum())} of {nan.numel()} output values are NaN" if bool(nan.any())
         else "every output is a number"))
+    if not plan.causal and not any(not bool(v.all()) for v in plan.valid.values()):
+        verdict.checks.append(Check("what to check", "not checked", (
+            "nothing was asserted: name a causal input with --causal NAME, or padding with "
+            "--lengths NAME=N,N")))
 
+    steady = ("the model's output differs between two runs on the same inputs from the same "
+              "random state, so changing an input proves nothing")
     for seq in plan.seqs.values():
-        if seq.letter not in plan.causal:
-            continue
-        name = f"causality of {seq.name}"
-        if _as_bl(output, seq, plan.sizes[seq.letter], plan.batch) is None:
-            verdict.checks.append(Check(name, "not checked",
-                                        f"the output {list(output.shape)} has no axis of "
-                                        f"{seq.name}'s positions ({plan.sizes[seq.letter]})"))
-            continue
-        say(f"checking causality of {seq.name} at every position")
-        moves = list(_causal_moves(model, plan, seq, values, None, output))
-        leaks = [(m, t) for m, t in moves if m > scale]
-        if leaks:
-            m, t = leaks[0]
-            detail = (f"output at or before position {t} moved by {m:.3g} when {seq.name}'s "
-                      f"tokens after {t} changed; leaks at {len(leaks)} of {len(moves)} split "
-                      f"points (t = {', '.join(str(t) for _, t in leaks[:8])}"
-                      f"{', …' if len(leaks) > 8 else ''})")
-        else:
-            detail = (f"at each of {len(moves)} split points t, changing {seq.name}'s tokens "
-                      f"after t moved no output at or before t (largest move "
-                      f"{max((m for m, _ in moves), default=0.0):.3g})")
-        verdict.checks.append(Check(name, "failed" if leaks else "passed", detail))
-
+        if seq.letter in plan.causal:
+            name = f"causality of {seq.name}"
+            verdict.checks.append(Check(name, "not checked", steady) if unsteady else
+                                  _causality(model, plan, seq, values, output, scale, say))
     for seq in plan.seqs.values():
         if seq.letter in plan.valid and not bool(plan.valid[seq.letter].all()):
-            verdict.checks.extend(_padding_checks(model, plan, seq, values, output, scale, say))
+            if unsteady:
+                verdict.checks.append(Check(f"padding of {seq.name}", "not checked", steady))
+                continue
+            verdict.checks.extend(_padding_checks(model, plan, seq, values, output, scale, say,
+                                                  random))
 
     verdict.checks.extend(_attention_checks(plan, seen.calls))
     return verdict
 
 
-def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say) -> list[Check]:
+def _differs(a: Tensor, b: Tensor, scale: float) -> bool:
+    if a.shape != b.shape or not bool((a.isnan() == b.isnan()).all()):
+        return True
+    return _moved(a, b, ~b.isnan()) > scale
+
+
+def _causality(model, plan: Plan, seq: Seq, values, output, scale, say) -> Check:
+    name = f"causality of {seq.name}"
+    if _as_bl(output, seq, plan.sizes[seq.letter], plan.batch) is None:
+        return Check(name, "not checked", f"the output {list(output.shape)} has no axis of "
+                                          f"{seq.name}'s positions ({plan.sizes[seq.letter]})")
+    say(f"checking causality of {seq.name} at every position")
+    moves = list(_causal_moves(model, plan, seq, values, None, output))
+    if not moves:
+        return Check(name, "not checked", f"no split point: no real token of {seq.name} has "
+                                          f"one after it")
+    leaks = [(m, t) for m, t in moves if m > scale]
+    if leaks:
+        m, t = leaks[0]
+        return Check(name, "failed", (
+            f"output at or before position {t} moved by {m:.3g} when {seq.name}'s tokens after "
+            f"{t} changed; leaks at {len(leaks)} of {len(moves)} split points "
+            f"(t = {', '.join(str(t) for _, t in leaks[:8])}{', …' if len(leaks) > 8 else ''})"))
+    return Check(name, "passed", (
+        f"at each of {len(moves)} split points t, changing {seq.name}'s tokens after t moved no "
+        f"output at or before t (largest move {max(m for m, _ in moves):.3g})"))
+
+
+def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say,
+                    random: bool = False) -> list[Check]:
     out: list[Check] = []
     masks = [a.name for a in plan.masks if a.key == seq.letter and a.per_sequence]
     say(f"checking padding of {seq.name}")
+    reals = _real_outputs(plan, output)
+    if reals and not any(bool(real.any()) for _, _, real in reals):
+        return [Check(f"padding of {seq.name}", "not checked",
+                      "no output position is real (every sequence is all padding)")]
     if masks or values[seq.name].is_floating_point():
         moved = _content_move(model, plan, seq, values, None, output)
         told = f"masked by {', '.join(masks)}" if masks else "no mask argument says where it is"
@@ -396,6 +445,9 @@ def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say) -> 
                            f"changed every padded position of {seq.name} ({told}); real "
                            f"outputs moved by at most {moved:.3g}"))
     grow = 2
+    if random:
+        return out + [Check(f"padding of {seq.name}: length", "not checked",
+                            "the model draws random numbers, and a longer input draws others")]
     sizes = dict(plan.sizes, **{seq.letter: plan.sizes[seq.letter] + grow})
     valid = dict(plan.valid, **{seq.letter: torch.cat(
         [plan.valid[seq.letter], torch.zeros(plan.batch, grow, dtype=torch.bool)], 1)})
@@ -451,10 +503,13 @@ def _observe(model: nn.Module, inputs: Inputs) -> Seen:
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave) for m in model.modules()]
+    fresh = Inputs(*tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t,
+                             (inputs.args, inputs.kwargs)))
+    torch.manual_seed(SEED)
     try:
         with running(model, during="observing attention"), torch.no_grad(), \
                 OpObserver(on_op, keep_values=True):
-            output = primary_output(inputs(model))
+            output = primary_output(fresh(model))
     finally:
         for h in handles:
             h.remove()
@@ -536,9 +591,11 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check:
         parts.append("causal")
     if q == k and k in plan.windows:
         w, causal = plan.windows[k]
-        i = torch.arange(q_len)[:, None]
-        j = torch.arange(k_len)[None, :]
-        expected &= (i - j < w) & ((j - i < w) if not causal else torch.ones_like(i - j, dtype=torch.bool))
+        i, j = torch.arange(q_len)[:, None], torch.arange(k_len)[None, :]
+        band = i - j < w  # no further back than w - 1
+        if not causal:
+            band &= j - i < w  # nor further ahead
+        expected &= band
         parts.append(f"window {w}")
     if not parts:
         return Check(label, "passed", f"{how}, queries {q} × keys {k}: nothing here is asked to "
@@ -583,6 +640,9 @@ def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list
         if name not in named:
             raise TfcliError(f"--mask {name}: the model's inputs are {', '.join(named) or 'none'}"
                              f"; name one of them")
+        if name in lengths:
+            raise TfcliError(f"--mask {name}: {name} is a sequence (--lengths names it), not a "
+                             f"mask argument")
     batch = next(iter(named.values())).size(0) if named else 1
 
     seqs: dict[str, Seq] = {}
@@ -607,6 +667,11 @@ def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list
         if sizes.setdefault(seq.letter, n) != n:
             raise TfcliError(f"inputs of length {seq.letter} differ in size ({sizes[seq.letter]}"
                              f" and {n}); bind it once with --dim {seq.letter}=N")
+    same = [letter for letter, n in sizes.items() if n == batch and batch > 1]
+    if same:  # the output's batch and position axes are told apart by their sizes
+        raise TfcliError(f"the batch and {same[0]} are both {batch}: tfcli tells an output's "
+                         f"batch and position axes apart by size; choose sizes that differ "
+                         f"(--dim, --lengths)")
 
     causal: set[str] = set()
     masks: list[MaskArg] = []
@@ -649,6 +714,9 @@ def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list
         told = any(a.key == seq.letter and a.per_sequence for a in masks)
         if not x.is_floating_point() and pad_id is None and not told:
             raise TfcliError(f"--lengths {name}: say which token id is padding with --pad-id")
+        if not x.is_floating_point() and pad_id is not None and not 0 <= pad_id < high:
+            raise TfcliError(f"--pad-id {pad_id}: token ids of {name} are 0..{high - 1} here "
+                             f"(the model's smallest embedding table)")
         view = x.movedim((seq.batch_axis, seq.length_axis), (0, 1)).clone()
         view[~v] = 0 if x.is_floating_point() or pad_id is None else pad_id
         values[name] = view.movedim((0, 1), (seq.batch_axis, seq.length_axis))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
 import sys
 import warnings
@@ -39,9 +40,30 @@ DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int"
 @contextlib.contextmanager
 def model_prints_to_stderr():
     """stdout holds tfcli's answer (tables, JSON): what a model prints while it is imported,
-    built or run goes to stderr instead."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    built or run goes to stderr instead — print() and sys.stdout, and also sys.__stdout__ and
+    file descriptor 1, which the model may write to directly."""
+    saved = None
+    try:
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()  # what tfcli wrote before stays on stdout
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):  # no descriptor 1 or 2 (closed): print() is still caught
+        if saved is not None:
+            os.close(saved)
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            try:
+                if sys.__stdout__ is not None:
+                    sys.__stdout__.flush()  # the model's buffered writes go to stderr too
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 @dataclass
