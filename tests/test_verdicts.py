@@ -440,3 +440,12 @@ def test_a_check_with_nothing_asserted_is_incomplete(cli, switches):
     data = json.loads(cli(*args).stdout)["check"]
     assert data["verdict"] == "incomplete"
     assert {c["name"]: c["status"] for c in data["checks"]}["what to check"] == "not checked"
+
+
+def test_a_model_returning_no_tensor_is_a_failed_run(cli, tmp_path):
+    path = tmp_path / "nothing.py"
+    path.write_text("from torch import nn\n\nclass M(nn.Module):\n"
+                    "    def forward(self, x):\n        return None\n")
+    result = cli("masks", "--model", f"{path}:M", "--input", "x=float32[B,L,4]", "--causal", "x",
+                 "--check")
+    assert result.exit_code == 1 and "returned NoneType" in result.stderr

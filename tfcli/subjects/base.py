@@ -219,7 +219,7 @@ def primary_output(output) -> Tensor:
         if isinstance(leaf, Tensor) and leaf.is_floating_point():
             return leaf
     raise TfcliError(f"the model returned {type(output).__name__}, which holds no floating "
-                     f"tensor to inspect")
+                     f"tensor to inspect", exit_code=1)  # the model's doing: a failed run
 
 
 def default_loss(output) -> Tensor:
