@@ -352,11 +352,12 @@ class Model(nn.Module):
     mutate (changes its input in place), dropout (left on in eval), kq (scores as K·Qᵀ with
     the softmax over dim=-2), leak (query 1 may see key 2), heads (a [B, h, L, L] mask).'''
 
-    def __init__(self, mutate=False, dropout=False, kq=False, leak=False, fail=False):
+    def __init__(self, mutate=False, dropout=False, kq=False, leak=False, fail=False, window=0):
         super().__init__()
         self.emb = nn.Embedding(30, 16)
         self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
         self.mutate, self.dropout, self.kq, self.leak, self.fail = mutate, dropout, kq, leak, fail
+        self.window = window
 
     def forward(self, ids, mask=None):
         if self.fail:
@@ -368,8 +369,12 @@ class Model(nn.Module):
         allowed = torch.ones(n, n, dtype=torch.bool).tril()
         if self.leak:
             allowed[1, 2] = True
-        if mask is not None:  # [B, h, L, L] or [B, L], True = may attend
-            allowed = allowed & (mask[:, 0] if mask.dim() == 4 else mask[:, None, :])
+        if self.window:  # a sliding window: the window - 1 keys before, and itself
+            i = torch.arange(n)
+            allowed = allowed & (i[:, None] - i[None, :] < self.window)
+        if mask is not None:  # [B, h, L, L], [B, L, L] or [B, L], True = may attend
+            allowed = allowed & {4: lambda: mask[:, 0], 3: lambda: mask,
+                                 2: lambda: mask[:, None, :]}[mask.dim()]()
         if self.kq:
             scores = self.k(x) @ self.q(x).transpose(-2, -1)  # [B, K, Q]
             weights = scores.masked_fill(~allowed.transpose(-2, -1), -1e9).softmax(dim=-2)
@@ -408,6 +413,12 @@ def switches(tmp_path):
      {"padding of ids: content": "passed"}),
     # nothing to compare: no split point, no real position, nothing asserted
     (["--dim", "L=1"], "incomplete", {"causality of ids": "not checked"}),
+    # a declared sliding window: kept, ignored, or carried by the mask argument tfcli builds
+    (["--model-arg", "window=3", "--window", "ids=3"], "passed", {"attention (model)": "passed"}),
+    (["--window", "ids=3"], "failed",
+     {"causality of ids": "passed", "attention (model)": "failed"}),
+    (["--window", "ids=3", "--input", "mask=bool[B,L,L]", "--mask", "mask=bool-allowed"],
+     "passed", {"attention (model)": "passed"}),
 ])
 def test_what_the_sweep_found(cli, switches, args, verdict, expected):
     result = cli(*switches, *args)

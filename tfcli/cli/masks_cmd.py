@@ -49,6 +49,12 @@ def masks(
         help="--model: real length per sequence of input NAME; later positions become "
              "--pad-id, and every mask argument is built from these lengths. Repeatable.")
     ] = None,
+    window: Annotated[Optional[list[str]], typer.Option(
+        "--window", metavar="NAME=W", show_default=False,
+        help="--model: attention over sequence NAME keeps to a sliding window of W positions "
+             "(causal: the W - 1 before and itself; else W - 1 either side); mask arguments "
+             "are built with it and each attention call is checked against it. "
+             "Repeatable.")] = None,
     mask: Annotated[Optional[list[str]], typer.Option(
         "--mask", metavar="NAME=CONVENTION", show_default=False,
         help="--model: the convention of mask argument NAME: bool-allowed, bool-blocked, "
@@ -115,11 +121,12 @@ def masks(
             raise TfcliError(f"{', '.join(drawing)}: shape the drawn grids; --json for --model "
                              f"holds each captured mask whole, as booleans")
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
-                   check, max_grid, json_out, max_memory, mask)
+                   check, max_grid, json_out, max_memory, mask, window)
         return
-    if causal or lengths or dim or mask:
-        raise TfcliError("--causal, --lengths, --mask and --dim apply to --model; tfcli's own "
-                         "model takes --src-lens/--tgt-lens or --src-ids/--tgt-ids")
+    if causal or lengths or dim or mask or window:
+        raise TfcliError("--causal, --lengths, --mask, --window and --dim apply to --model; "
+                         "tfcli's own model takes --src-lens/--tgt-lens or --src-ids/--tgt-ids "
+                         "(and --set attention_window=W)")
     if pad_id is not None and src_ids is None and tgt_ids is None:
         raise TfcliError("--pad-id marks padding in --src-ids/--tgt-ids; give ids, or use "
                          "--src-lens/--tgt-lens")
@@ -292,7 +299,7 @@ def _to_json(cfg, grids, sides, limits, batch_size, convention, report) -> dict:
 def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int | None,
                dim: list[str] | None, batch_index: int, convention: Convention, check: bool,
                max_grid: int, json_out: bool, max_memory: str | None = None,
-               mask_text: list[str] | None = None) -> None:
+               mask_text: list[str] | None = None, window_text: list[str] | None = None) -> None:
     """Any model: the masks its attention calls applied, and with --check the verdict of
     tfcli.inspection.verdict (the same checks for every subject)."""
     import torch
@@ -317,6 +324,16 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         if name in mask_options:
             raise TfcliError(f"--mask {name} is given twice; give it once")
         mask_options[name] = value
+    windows: dict[str, int] = {}
+    for text in window_text or []:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip().isidentifier() or not value.strip().isdigit() \
+                or not 0 < int(value) <= 2**31 - 1:
+            raise TfcliError(f"--window {text!r}: expected NAME=W with W a positive number of "
+                             f"positions, e.g. --window ids=4")
+        if name.strip() in windows:
+            raise TfcliError(f"--window {name.strip()} is given twice; give it once")
+        windows[name.strip()] = int(value)
     batches = {len(v) for v in lengths.values()}
     if len(batches) > 1:
         raise TfcliError("--lengths: give the same number of sequences for every input")
@@ -338,7 +355,7 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         model = subject.build("cpu").eval()
         inputs = subject.make_inputs(model, dims, "cpu")
         plan = make_plan(subject, model, inputs, lengths, causal, mask_options, pad_id,
-                         embedding_limit(model))
+                         embedding_limit(model), windows)
         if batch_index >= plan.batch:
             raise TfcliError(f"--batch-index {batch_index}: the batch has {plan.batch} "
                              f"sequences (0..{plan.batch - 1})")

@@ -139,10 +139,18 @@ def axes_of(name: str, dims: tuple | list, shape: list[int], letters: dict[str, 
     return tuple(axes)
 
 
+def band(q_len: int, k_len: int, window: int, causal: bool) -> Tensor:
+    """[Q, K]: query i may attend to keys j with i - W < j (and j < i + W unless causal)."""
+    i, j = torch.arange(q_len)[:, None], torch.arange(k_len)[None, :]
+    return (i - j < window) & ((j - i < window) | causal)
+
+
 def allowed_pattern(arg: MaskArg, valid: dict[str, Tensor], sizes: dict[str, int],
-                    causal: set[str], batch: int) -> Tensor:
+                    causal: set[str], batch: int,
+                    windows: dict[str, tuple[int, bool]] | None = None) -> Tensor:
     """[B, Q, K] bool, True = may attend: key padding (where the mask has a batch axis), AND
-    causal where its queries and keys are the same causal sequence."""
+    causal where its queries and keys are the same causal sequence, AND that sequence's
+    sliding window."""
     k_len = sizes[arg.key]
     q_len = sizes[arg.query] if arg.query else 1
     allowed = torch.ones(batch, q_len, k_len, dtype=torch.bool)
@@ -150,6 +158,8 @@ def allowed_pattern(arg: MaskArg, valid: dict[str, Tensor], sizes: dict[str, int
         allowed &= valid[arg.key][:, None, :]
     if arg.query and arg.query == arg.key and arg.key in causal:
         allowed &= torch.ones(q_len, k_len, dtype=torch.bool).tril()
+    if arg.query and arg.query == arg.key and arg.key in (windows or {}):
+        allowed &= band(q_len, k_len, *windows[arg.key])
     return allowed
 
 

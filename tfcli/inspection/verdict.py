@@ -138,7 +138,8 @@ def feed(model: nn.Module, plan: Plan, values: dict[str, Tensor], valid: dict[st
         inputs = inputs.replace(model, name, value)
     for arg in plan.masks:
         convention = (conventions or {}).get(arg.name, arg.convention)
-        allowed = maskargs.allowed_pattern(arg, valid, sizes, plan.causal, plan.batch)
+        allowed = maskargs.allowed_pattern(arg, valid, sizes, plan.causal, plan.batch,
+                                           plan.windows)
         inputs = inputs.replace(model, arg.name, maskargs.build(arg, allowed, convention))
     return inputs
 
@@ -590,13 +591,8 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check:
         expected &= torch.ones(q_len, k_len, dtype=torch.bool).tril()
         parts.append("causal")
     if q == k and k in plan.windows:
-        w, causal = plan.windows[k]
-        i, j = torch.arange(q_len)[:, None], torch.arange(k_len)[None, :]
-        band = i - j < w  # no further back than w - 1
-        if not causal:
-            band &= j - i < w  # nor further ahead
-        expected &= band
-        parts.append(f"window {w}")
+        expected &= maskargs.band(q_len, k_len, *plan.windows[k])
+        parts.append(f"window {plan.windows[k][0]}")
     if not parts:
         return Check(label, "passed", f"{how}, queries {q} × keys {k}: nothing here is asked to "
                                       f"be blocked")
@@ -629,7 +625,7 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check:
 
 def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list[int] | Tensor],
               causal_names: list[str], mask_options: dict[str, str], pad_id: int | None,
-              high: int) -> Plan:
+              high: int, windows: dict[str, int] | None = None) -> Plan:
     """The plan for ``inputs``: sequences (the inputs with a length axis), mask arguments with
     their axes and known conventions, padding per length letter and the causal letters.
     ``lengths``: input name -> real length per sequence, or [B, L] bool (True = real)."""
@@ -732,8 +728,14 @@ def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list
         else:
             have = ", ".join(named)
             raise TfcliError(f"--causal {name}: not an input of this model (its inputs: {have})")
+    declared = dict(subject.windows())
+    for name, width in (windows or {}).items():
+        if name not in seqs:
+            raise TfcliError(f"--window {name}: not a sequence input of this model (its "
+                             f"sequences: {', '.join(seqs) or 'none'})")
+        declared[seqs[name].letter] = (width, seqs[name].letter in causal)
     plan = Plan(Inputs(inputs.args, inputs.kwargs), seqs, masks, valid, causal, sizes, batch,
-                pad_id, high, windows=subject.windows())
+                pad_id, high, windows=declared)
     for name, value in values.items():
         if name in seqs:
             plan.base = plan.base.replace(model, name, value)
