@@ -187,8 +187,10 @@ class Block(nn.Module):
 """
 
 
-@pytest.mark.parametrize("command", [["shapes"], ["params"],
-                                     ["masks", "--causal", "ids", "--check"]])
+@pytest.mark.parametrize("command", [["shapes"], ["params", "--seq-len", "8"],
+                                     ["masks", "--causal", "ids", "--check"],
+                                     ["bench", "--what", "model", "--seq-lens", "8", "--pass",
+                                      "fwd", "--min-time", "0.01", "--max-time", "0.05"]])
 def test_a_model_that_prints_and_imports_its_sibling(cli, tmp_path, monkeypatch, command):
     folder = tmp_path / "project"
     folder.mkdir()
@@ -199,9 +201,7 @@ def test_a_model_that_prints_and_imports_its_sibling(cli, tmp_path, monkeypatch,
     monkeypatch.delitem(sys.modules, "layers", raising=False)  # so this test imports it afresh
     args = [command[0], "--model", "project/model.py:Model", "--input", "ids=int64[B,L]",
             *command[1:], "--json"]
-    if command[0] == "shapes":
-        args += ["--device", "cpu"]  # positions made on the CPU in forward
-    result = cli(*args)
+    result = cli(*args)  # positions made on the CPU in forward: a real run where needed
     assert result.exit_code == 0, result.stdout + result.stderr
     json.loads(result.stdout)  # nothing the model printed is in the answer
     assert "number of parameters" in result.stderr and "importing the model" in result.stderr
