@@ -460,3 +460,33 @@ def test_a_model_returning_no_tensor_is_a_failed_run(cli, tmp_path):
     result = cli("masks", "--model", f"{path}:M", "--input", "x=float32[B,L,4]", "--causal", "x",
                  "--check")
     assert result.exit_code == 1 and "returned NoneType" in result.stderr
+
+
+HUGE_CHANNEL = """
+from torch import nn
+
+
+class Model(nn.Module):
+    # a convolution lets position t see t + 1; the logits forbid token 0 with a finite -1e9
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, ids):
+        logits = self.head(self.conv(self.emb(ids).transpose(1, 2)).transpose(1, 2))
+        logits[..., 0] = -1e9
+        return logits
+"""
+
+
+def test_one_huge_output_channel_hides_no_leak(cli, tmp_path):
+    """Tolerance is per output channel: the -1e9 channel must not excuse a move of ~0.7 in the
+    others (a false PASS the re-sweep found)."""
+    path = tmp_path / "huge.py"
+    path.write_text(HUGE_CHANNEL)
+    data = json.loads(cli("masks", "--model", f"{path}:Model", "--input", "ids=int64[B,L]",
+                          "--causal", "ids", "--check", "--json").stdout)["check"]
+    assert {c["name"]: c["status"] for c in data["checks"]}["causality of ids"] == "failed"

@@ -55,8 +55,8 @@ class Check:
         return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail}
 
 
-def _judged(name: str, moved: float, limit: float, detail: str) -> Check:
-    return Check(name, "passed" if moved <= limit else "failed", detail)
+def _judged(name: str, move: Move, detail: str) -> Check:
+    return Check(name, "failed" if move.leaks else "passed", detail)
 
 
 @dataclass
@@ -168,9 +168,33 @@ def _as_bl(output: Tensor, seq: Seq, length: int, batch: int) -> Tensor | None:
     return output.movedim((b, l), (0, 1))
 
 
-def _moved(a: Tensor, b: Tensor, where: Tensor) -> float:
-    diff = (a.float() - b.float()).abs()[where]
-    return float(diff.nan_to_num(float("inf")).amax()) if diff.numel() else 0.0
+def tolerance(output: Tensor) -> Tensor:
+    """How far each output value may move and still count as unchanged (same arithmetic on
+    other shapes rounds differently): TOLERANCE of the largest magnitude in its channel (the
+    last axis of a [B, L, C] output; the whole output otherwise), at least TOLERANCE. Per
+    channel, so one huge channel (a logit forbidden with -1e9) loosens no other."""
+    x = output.detach().float().nan_to_num(0.0, posinf=0.0, neginf=0.0).abs()
+    per = x.amax(dim=tuple(range(x.dim() - 1)), keepdim=True) if x.dim() >= 3 else x.amax()
+    return (per.clamp(min=1.0) * TOLERANCE).expand(x.shape)
+
+
+@dataclass
+class Move:
+    """How far outputs moved: the largest change, and whether any exceeded its tolerance."""
+    size: float = 0.0
+    leaks: bool = False
+
+    def __or__(self, other: Move) -> Move:
+        return Move(max(self.size, other.size), self.leaks or other.leaks)
+
+
+def _move(a: Tensor, b: Tensor, where: Tensor, tol: Tensor) -> Move:
+    """The move from ``b`` to ``a`` at ``where`` (NaN on one side only is a move too)."""
+    diff = (a.float() - b.float()).abs()
+    diff = torch.where(a.isnan() & b.isnan(), 0.0, diff.nan_to_num(float("inf")))[where]
+    if not diff.numel():
+        return Move()
+    return Move(float(diff.amax()), bool((diff > tol[where]).any()))
 
 
 def _perturb(x: Tensor, seq: Seq, where: Tensor, high: int, pad_id: int | None) -> Tensor:
@@ -257,29 +281,27 @@ def settle_conventions(model: nn.Module, plan: Plan, say: Callable[[str], None])
 
 
 def _influence(model: nn.Module, plan: Plan, conventions: dict[str, str]) -> float:
-    """How far the blocked positions moved real outputs under ``conventions`` (0: not at all;
-    inf: NaN or a failed run): causality at the first split (every later token changed; a
-    convention read the wrong way round leaks there), and padded content where a mask tells
-    where padding is. The check proper then tests every split."""
+    """How far the blocked positions moved real outputs under ``conventions`` (0: within
+    tolerance; inf: NaN at a real position): causality at the first split (every later token
+    changed; a convention read the wrong way round leaks there), and padded content where a
+    mask tells where padding is. The check proper then tests every split."""
     values = {name: plan.base.named(model)[name] for name in plan.seqs}
     inputs = feed(model, plan, values, plan.valid, plan.sizes, conventions)
     output = _run(model, inputs, "probing mask conventions")
-    scale = max(1.0, float(output.float().nan_to_num(0.0).abs().amax())) * TOLERANCE
-    worst = 0.0
+    tol = tolerance(output)
+    worst = Move()
     for seq in plan.seqs.values():
         out = _as_bl(output, seq, plan.sizes[seq.letter], plan.batch)
         real = plan.valid.get(seq.letter)
         if out is not None and real is not None and bool(out[real].isnan().any()):
             return math.inf
         if seq.letter in plan.causal and out is not None:
-            for moved, _ in _causal_moves(model, plan, seq, values, conventions, output,
-                                          first_only=True):
-                worst = max(worst, moved if moved > scale else 0.0)
-                break
+            for move, _ in _causal_moves(model, plan, seq, values, conventions, output, tol,
+                                         first_only=True):
+                worst |= move
         if seq.letter in plan.valid and _told(plan, seq.letter):
-            moved = _content_move(model, plan, seq, values, conventions, output)
-            worst = max(worst, moved if moved > scale else 0.0)
-    return worst
+            worst |= _content_move(model, plan, seq, values, conventions, output, tol)
+    return worst.size if worst.leaks else 0.0
 
 
 # --- the checks -------------------------------------------------------------------------------
@@ -303,14 +325,15 @@ def _real_outputs(plan: Plan, output: Tensor) -> list[tuple[Seq, Tensor, Tensor]
     return out
 
 
-def _causal_moves(model, plan: Plan, seq: Seq, values, conventions, output,
+def _causal_moves(model, plan: Plan, seq: Seq, values, conventions, output, tol,
                   first_only: bool = False):
-    """For each split t: (largest move of a real output at or before t when the real tokens
+    """For each split t: (the move of the real outputs at or before t when the real tokens
     after t change, t). Yields nothing when the output does not line up with ``seq``."""
     length = plan.sizes[seq.letter]
     base = _as_bl(output, seq, length, plan.batch)
     if base is None:
         return
+    tol = _as_bl(tol, seq, length, plan.batch)
     real = plan.valid.get(seq.letter, torch.ones(plan.batch, length, dtype=torch.bool))
     positions = torch.arange(length)
     for t in range(length - 1):
@@ -323,24 +346,26 @@ def _causal_moves(model, plan: Plan, seq: Seq, values, conventions, output,
         again = _as_bl(_run(model, inputs, f"changing {seq.name} after position {t}"), seq,
                        length, plan.batch)
         earlier = (positions <= t)[None, :] & real
-        yield _moved(again, base, earlier), t
+        yield _move(again, base, earlier, tol), t
         if first_only:
             return
 
 
-def _content_move(model, plan: Plan, seq: Seq, values, conventions, output) -> float:
+def _content_move(model, plan: Plan, seq: Seq, values, conventions, output, tol) -> Move:
     padded = ~plan.valid[seq.letter]
     changed = dict(values, **{seq.name: _perturb(values[seq.name], seq, padded, plan.high,
                                                  plan.pad_id)})
     inputs = feed(model, plan, changed, plan.valid, plan.sizes, conventions)
     again = _run(model, inputs, f"changing {seq.name}'s padded content")
-    worst = 0.0
-    for other, base, real in _real_outputs(plan, output):
-        now = _as_bl(again, other, plan.sizes[other.letter], plan.batch)
-        worst = max(worst, _moved(now, base, real))
-    if not _real_outputs(plan, output):  # positions line up with no sequence: all of it
-        worst = _moved(again, output, torch.ones(output.shape, dtype=torch.bool))
-    return worst
+    reals = _real_outputs(plan, output)
+    if not reals:  # positions line up with no sequence: all of it
+        return _move(again, output, torch.ones(output.shape, dtype=torch.bool), tol)
+    move = Move()
+    for other, base, real in reals:
+        length = plan.sizes[other.letter]
+        move |= _move(_as_bl(again, other, length, plan.batch), base, real,
+                      _as_bl(tol, other, length, plan.batch))
+    return move
 
 
 def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: None) -> Verdict:
@@ -352,14 +377,14 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
     inputs = feed(model, plan, values, plan.valid, plan.sizes)
     say("running the model")
     output = _run(model, inputs, "the plain run")
-    scale = max(1.0, float(output.float().nan_to_num(0.0).abs().amax())) * TOLERANCE
+    tol = tolerance(output)
 
     # Comparing runs means something only if one input gives one output. Each run starts
     # from the same random state; a model that still varies cannot be judged by comparison,
     # and one that draws random numbers (dropout left on) draws others at another length.
-    unsteady = _differs(_run(model, inputs, "a second plain run"), output, scale)
+    unsteady = _differs(_run(model, inputs, "a second plain run"), output, tol)
     random = not unsteady and _differs(
-        _run(model, inputs, "a run from another random state", seed=SEED + 1), output, scale)
+        _run(model, inputs, "a run from another random state", seed=SEED + 1), output, tol)
     if random:
         verdict.notes.append("the model draws random numbers in eval mode (dropout left on, "
                              "noise in forward): every run starts from the same random state")
@@ -367,7 +392,7 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
     # The observed run: the same inputs, with every attention call's weights kept.
     seen = _observe(model, inputs)
     verdict.seen = seen.calls
-    if _differs(seen.output, output, scale):
+    if _differs(seen.output, output, tol):
         verdict.notes.append(
             "observing the model changed its output (a fast path that turns off while it is "
             "observed, such as nn.Transformer's in eval mode): the output checks judge the "
@@ -389,48 +414,48 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
         if seq.letter in plan.causal:
             name = f"causality of {seq.name}"
             verdict.checks.append(Check(name, "not checked", steady) if unsteady else
-                                  _causality(model, plan, seq, values, output, scale, say))
+                                  _causality(model, plan, seq, values, output, tol, say))
     for seq in plan.seqs.values():
         if seq.letter in plan.valid and not bool(plan.valid[seq.letter].all()):
             if unsteady:
                 verdict.checks.append(Check(f"padding of {seq.name}", "not checked", steady))
                 continue
-            verdict.checks.extend(_padding_checks(model, plan, seq, values, output, scale, say,
+            verdict.checks.extend(_padding_checks(model, plan, seq, values, output, tol, say,
                                                   random))
 
     verdict.checks.extend(_attention_checks(plan, seen.calls))
     return verdict
 
 
-def _differs(a: Tensor, b: Tensor, scale: float) -> bool:
-    if a.shape != b.shape or not bool((a.isnan() == b.isnan()).all()):
+def _differs(a: Tensor, b: Tensor, tol: Tensor) -> bool:
+    if a.shape != b.shape:
         return True
-    return _moved(a, b, ~b.isnan()) > scale
+    return _move(a, b, torch.ones(b.shape, dtype=torch.bool), tol).leaks
 
 
-def _causality(model, plan: Plan, seq: Seq, values, output, scale, say) -> Check:
+def _causality(model, plan: Plan, seq: Seq, values, output, tol, say) -> Check:
     name = f"causality of {seq.name}"
     if _as_bl(output, seq, plan.sizes[seq.letter], plan.batch) is None:
         return Check(name, "not checked", f"the output {list(output.shape)} has no axis of "
                                           f"{seq.name}'s positions ({plan.sizes[seq.letter]})")
     say(f"checking causality of {seq.name} at every position")
-    moves = list(_causal_moves(model, plan, seq, values, None, output))
+    moves = list(_causal_moves(model, plan, seq, values, None, output, tol))
     if not moves:
         return Check(name, "not checked", f"no split point: no real token of {seq.name} has "
                                           f"one after it")
-    leaks = [(m, t) for m, t in moves if m > scale]
+    leaks = [(m, t) for m, t in moves if m.leaks]
     if leaks:
         m, t = leaks[0]
         return Check(name, "failed", (
-            f"output at or before position {t} moved by {m:.3g} when {seq.name}'s tokens after "
-            f"{t} changed; leaks at {len(leaks)} of {len(moves)} split points "
+            f"output at or before position {t} moved by {m.size:.3g} when {seq.name}'s tokens "
+            f"after {t} changed; leaks at {len(leaks)} of {len(moves)} split points "
             f"(t = {', '.join(str(t) for _, t in leaks[:8])}{', …' if len(leaks) > 8 else ''})"))
     return Check(name, "passed", (
         f"at each of {len(moves)} split points t, changing {seq.name}'s tokens after t moved no "
-        f"output at or before t (largest move {max(m for m, _ in moves):.3g})"))
+        f"output at or before t beyond rounding (largest move {max(m.size for m, _ in moves):.3g})"))
 
 
-def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say,
+def _padding_checks(model, plan: Plan, seq: Seq, values, output, tol, say,
                     random: bool = False) -> list[Check]:
     out: list[Check] = []
     masks = [a.name for a in plan.masks if a.key == seq.letter and a.per_sequence]
@@ -440,11 +465,11 @@ def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say,
         return [Check(f"padding of {seq.name}", "not checked",
                       "no output position is real (every sequence is all padding)")]
     if masks or values[seq.name].is_floating_point():
-        moved = _content_move(model, plan, seq, values, None, output)
+        move = _content_move(model, plan, seq, values, None, output, tol)
         told = f"masked by {', '.join(masks)}" if masks else "no mask argument says where it is"
-        out.append(_judged(f"padding of {seq.name}: content", moved, scale,
+        out.append(_judged(f"padding of {seq.name}: content", move,
                            f"changed every padded position of {seq.name} ({told}); real "
-                           f"outputs moved by at most {moved:.3g}"))
+                           f"outputs moved by at most {move.size:.3g}"))
     grow = 2
     if random:
         return out + [Check(f"padding of {seq.name}: length", "not checked",
@@ -461,16 +486,16 @@ def _padding_checks(model, plan: Plan, seq: Seq, values, output, scale, say,
         return out + [Check(name, "not checked",
                             f"the model does not take {sizes[seq.letter]} positions of "
                             f"{seq.name}: {failed}")]
-    moved = 0.0
+    move = Move()
     for other, base, real in _real_outputs(plan, output):
-        length = sizes[other.letter]
-        now = _as_bl(longer, other, length, plan.batch)
+        now = _as_bl(longer, other, sizes[other.letter], plan.batch)
         if now is None:
             return out + [Check(name, "not checked", "the output's positions do not line up "
                                                      "with the longer input")]
-        moved = max(moved, _moved(now[:, :plan.sizes[other.letter]], base, real))
-    out.append(_judged(name, moved, scale, f"{grow} more padded positions of {seq.name}; real "
-                                           f"outputs moved by at most {moved:.3g}"))
+        length = plan.sizes[other.letter]
+        move |= _move(now[:, :length], base, real, _as_bl(tol, other, length, plan.batch))
+    out.append(_judged(name, move, f"{grow} more padded positions of {seq.name}; real outputs "
+                                   f"moved by at most {move.size:.3g}"))
     return out
 
 
