@@ -352,12 +352,13 @@ class Model(nn.Module):
     mutate (changes its input in place), dropout (left on in eval), kq (scores as K·Qᵀ with
     the softmax over dim=-2), leak (query 1 may see key 2), heads (a [B, h, L, L] mask).'''
 
-    def __init__(self, mutate=False, dropout=False, kq=False, leak=False, fail=False, window=0):
+    def __init__(self, mutate=False, dropout=False, kq=False, leak=False, fail=False, window=0,
+                 renorm=False, warmup=False):
         super().__init__()
         self.emb = nn.Embedding(30, 16)
         self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
         self.mutate, self.dropout, self.kq, self.leak, self.fail = mutate, dropout, kq, leak, fail
-        self.window = window
+        self.window, self.renorm, self.warmup, self.calls = window, renorm, warmup, 0
 
     def forward(self, ids, mask=None):
         if self.fail:
@@ -375,6 +376,12 @@ class Model(nn.Module):
         if mask is not None:  # [B, h, L, L], [B, L, L] or [B, L], True = may attend
             allowed = allowed & {4: lambda: mask[:, 0], 3: lambda: mask,
                                  2: lambda: mask[:, None, :]}[mask.dim()]()
+        self.calls += 1
+        if self.warmup and self.calls > 3:  # changes with the number of calls
+            x = x + 0.01
+        if self.renorm:  # masked after the softmax, then renormalised: exactly causal
+            weights = (self.q(x) @ self.k(x).transpose(-2, -1)).softmax(-1) * allowed
+            return self.out(weights / weights.sum(-1, keepdim=True) @ x)
         if self.kq:
             scores = self.k(x) @ self.q(x).transpose(-2, -1)  # [B, K, Q]
             weights = scores.masked_fill(~allowed.transpose(-2, -1), -1e9).softmax(dim=-2)
@@ -413,6 +420,12 @@ def switches(tmp_path):
      {"padding of ids: content": "passed"}),
     # nothing to compare: no split point, no real position, nothing asserted
     (["--dim", "L=1"], "incomplete", {"causality of ids": "not checked"}),
+    # the weights the model applies to V, masked and renormalised after the softmax
+    (["--model-arg", "renorm=True"], "passed", {"attention (model)": "passed"}),
+    (["--model-arg", "renorm=True", "--model-arg", "leak=True"], "failed",
+     {"attention (model)": "failed"}),
+    # a model that changes with the number of calls cannot be judged by comparing runs
+    (["--model-arg", "warmup=True"], "incomplete", {"causality of ids": "not checked"}),
     # a declared sliding window: kept, ignored, or carried by the mask argument tfcli builds
     (["--model-arg", "window=3", "--window", "ids=3"], "passed", {"attention (model)": "passed"}),
     (["--window", "ids=3"], "failed",
@@ -490,3 +503,51 @@ def test_one_huge_output_channel_hides_no_leak(cli, tmp_path):
     data = json.loads(cli("masks", "--model", f"{path}:Model", "--input", "ids=int64[B,L]",
                           "--causal", "ids", "--check", "--json").stdout)["check"]
     assert {c["name"]: c["status"] for c in data["checks"]}["causality of ids"] == "failed"
+
+
+HEADS_MID = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    # scores laid out [B, Q, h, K] (einsum), 4 heads; causal; its ids named with 'mask'
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, unmasked_ids):
+        x = self.emb(unmasked_ids)
+        b, n, _ = x.shape
+        q, k = self.q(x).view(b, n, 4, 4), self.k(x).view(b, n, 4, 4)
+        scores = torch.einsum("bqhd,bkhd->bqhk", q, k)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, :, None, :]
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.out(torch.einsum("bqhk,bkhd->bqhd", weights, x.view(b, n, 4, 4)).reshape(b, n, 16))
+"""
+
+
+def test_a_query_axis_that_cannot_be_told_is_not_judged(cli, tmp_path):
+    """At a length equal to the head count, [B, Q, h, K] weights have two axes of the query
+    length: the call is not judged (it was misread as leaking). The input's name holds
+    'mask' but --lengths makes it a sequence."""
+    path = tmp_path / "heads.py"
+    path.write_text(HEADS_MID)
+    base = ["masks", "--model", f"{path}:Model", "--input", "unmasked_ids=int64[B,L]",
+            "--causal", "unmasked_ids", "--check", "--json"]
+    status = checks(cli(*base, "--dim", "L=4"))
+    assert status["causality of unmasked_ids"] == "passed"
+    assert status["attention (model)"] == "not checked"
+    assert checks(cli(*base, "--dim", "L=6", "--lengths", "unmasked_ids=6,3", "--pad-id", "0"))[
+        "causality of unmasked_ids"] == "passed"
+
+
+def test_pad_id_is_bounded_by_the_token_table(cli, bert_t5):
+    """BERT's smallest table is token types (2); its ids go to the vocabulary (60)."""
+    _, paths = bert_t5
+    base = ["masks", "--model", f"hf:{paths['bert']}", "--lengths", "input_ids=9,4", "--check"]
+    assert cli(*base, "--pad-id", "5").exit_code == 0
+    refused = cli(*base, "--pad-id", "60")
+    assert refused.exit_code == 2 and "token ids of input_ids are 0..59" in refused.stderr

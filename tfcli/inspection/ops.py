@@ -31,6 +31,10 @@ _SOFTMAX = {torch.softmax, Tensor.softmax, F.softmax, torch._softmax, torch.log_
             F.log_softmax, Tensor.log_softmax}
 _FILLS = {Tensor.masked_fill, Tensor.masked_fill_, torch.masked_fill}
 _ADDS = {Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, torch.add, Tensor.add, Tensor.add_}
+# What keeps a tensor the attention weights: dropout, casts, and masking or renormalising them
+# after the softmax (``w * keep``, ``w / w.sum(-1)``).
+_WEIGHT_STEPS = {F.dropout, Tensor.to, Tensor.type, Tensor.float, Tensor.contiguous,
+                 Tensor.__mul__, Tensor.mul, torch.mul, Tensor.__truediv__, Tensor.div, torch.div}
 
 
 def matmul_flops(a_shape, b_shape) -> int:
@@ -146,6 +150,7 @@ class OpObserver(TorchFunctionMode):
             if not (_is_activation(a) and _is_activation(b)):  # a weight: a projection
                 self._emit(Op("linear", list(out.shape), flops, backward=backward))
             elif a in self._weights:  # softmax output (or its dropout) @ V
+                self._applied(a)
                 self._emit(Op("weights·V", list(out.shape), flops, attention=True,
                               backward=backward))
             else:  # a product of two activations: scores if a softmax takes it next
@@ -159,6 +164,7 @@ class OpObserver(TorchFunctionMode):
             backward = flops * sum(_needs(t) for t in operands)
             pair = len(operands) == 2 and all(_is_activation(t) for t in operands)
             if pair and operands[0] in self._weights:  # "bhqk,bhkd->bhqd": weights·V
+                self._applied(operands[0])
                 self._emit(Op("weights·V", list(out.shape), flops, True, backward=backward))
             elif pair:  # "bhqd,bhkd->bhqk": scores if a softmax takes them next
                 op = Op("matmul", list(out.shape), flops, backward=backward)
@@ -195,21 +201,33 @@ class OpObserver(TorchFunctionMode):
             scores, blocked = self._scores.pop(args[0])
             if scores.kind == "matmul":
                 scores.kind, scores.attention = "scores", True
-                self._weights[out] = True
                 op = Op("softmax", list(out.shape), note="weights")
+                self._weights[out] = op
                 if self.keep_values:
-                    op.weights, op.blocked = _keys_last(out.detach(), blocked,
-                                                        _softmax_dim(args, kwargs))
+                    op.extra.update(dim=_softmax_dim(args, kwargs), blocked=blocked,
+                                    shape=out.shape)
+                    op.weights, op.blocked = _keys_last(out.detach(), blocked, op.extra["dim"])
                 self._emit(op)
-        elif (func in _FILLS or func in (F.dropout, Tensor.to, Tensor.type, Tensor.float,
-                                         Tensor.contiguous)) and args[0] in self._weights:
-            self._weights[out] = True
+        elif (func in _FILLS or func in _WEIGHT_STEPS) and args[0] in self._weights:
+            self._weights[out] = self._weights.get(args[0])  # still the weights, masked or scaled
+        elif func in (Tensor.__mul__, Tensor.mul, torch.mul) and len(args) > 1 \
+                and args[1] in self._weights:
+            self._weights[out] = self._weights.get(args[1])
         elif func in (Tensor.__truediv__, Tensor.__mul__, Tensor.div, Tensor.mul, torch.div,
                       torch.mul, Tensor.to, Tensor.float, Tensor.type, Tensor.contiguous,
                       Tensor.view, Tensor.reshape, Tensor.flatten, torch.flatten,
                       Tensor.unflatten) \
                 and args[0] in self._scores:
             self._carry(args[0], out, None, "")  # scaling or reshaping the scores
+
+    def _applied(self, weights: Tensor) -> None:
+        """The weights a product with V consumes are the ones the model applied: where it
+        masked or renormalised them after the softmax, the check must read these."""
+        op = self._weights.get(weights)
+        if self.keep_values and isinstance(op, Op) and op.weights is not None \
+                and weights.shape == op.extra.get("shape", weights.shape):
+            op.weights, op.blocked = _keys_last(weights.detach(), op.extra.get("blocked"),
+                                                op.extra["dim"])
 
     def _carry(self, src: Tensor, out, blocked: Tensor | None, how: str) -> None:
         """``out`` is still the scores ``src`` (scaled, masked, reshaped)."""
