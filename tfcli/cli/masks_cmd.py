@@ -207,10 +207,12 @@ def masks(
             example = example_inputs(cfg, batch_size, lens.get("src", 1), lens.get("tgt", 1))
             kwargs = {k: ids_given.get(k, v) for k, v in example.items() if v is not None}
             valid = {side: sides[side].whole() for side in sides}
+            taken = {batch_size, cfg.n_heads, cfg.kv_heads}
             for side in valid:
-                # More padded positions until the lengths differ from each other and from
-                # the batch: the check tells attention calls and output axes apart by size.
-                while valid[side].size(1) == batch_size or any(
+                # More padded positions until the lengths differ from each other, from the
+                # batch and from the head counts: the check tells attention calls, their
+                # query axes and the output's axes apart by size.
+                while valid[side].size(1) in taken or any(
                         valid[side].size(1) == valid[other].size(1)
                         for other in valid if other < side):
                     kwargs[side] = torch.cat([kwargs[side], kwargs[side][:, -1:]], 1)
