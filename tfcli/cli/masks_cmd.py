@@ -189,7 +189,7 @@ def masks(
     lens = {side: p.length for side, p in sides.items()}
     report = None
     if check:
-        from tfcli.inspection.verdict import check as run_check, make_plan
+        from tfcli.inspection.verdict import GROW, check as run_check, make_plan
         from tfcli.model.transformer import build_model, example_inputs
         from tfcli.render.progress import working
         from tfcli.subjects.base import Inputs
@@ -197,10 +197,13 @@ def masks(
 
         longest = max(lens.values())
         naive = cfg.replace(attention="naive")  # its weights are the model's own, no recompute
-        guard_run(OwnSubject(naive),
-                  {"B": batch_size, "S": lens.get("src", 1), "T": lens.get("tgt", 1) + 1},
+        # Its largest run: lengths kept apart (a few more padded positions) and GROW more.
+        room = 4 + GROW
+        guard_run(OwnSubject(naive), {"B": batch_size, "S": lens.get("src", 1) + room,
+                                      "T": lens.get("tgt", 1) + room},
                   "masks --check", max_memory,
-                  extra=(6 * batch_size * longest**2 * 6, "mask grids"), forward_only=True)
+                  extra=(6 * batch_size * (longest + room)**2 * 6, "mask grids"),
+                  forward_only=True)
         with working("building the model on cpu") as say:  # on stderr, at a terminal only
             torch.manual_seed(0)
             model = build_model(naive)
@@ -307,7 +310,7 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     import torch
 
     from tfcli.inspection.maskargs import parse_mask_option
-    from tfcli.inspection.verdict import check as run_check, drawn, make_plan, observe_plan
+    from tfcli.inspection.verdict import GROW, check as run_check, drawn, make_plan, observe_plan
     from tfcli.render.masks import render_seen, render_verdict
     from tfcli.render.progress import working
     from tfcli.subjects.base import embedding_limit
@@ -350,7 +353,9 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
                 dims[letter] = max(max(lens), 1)
                 padded.add(letter)
     _apart(dims, padded, set(subject.length_dims()))
-    guard_run(subject, dims, "masks --model (built on cpu)", max_memory, forward_only=True)
+    # The largest run the check makes: the padding-length check adds GROW positions.
+    longest = {k: n + (GROW if k in padded else 0) for k, n in dims.items()}
+    guard_run(subject, longest, "masks --model (built on cpu)", max_memory, forward_only=True)
 
     torch.manual_seed(0)
     with working("building the model on cpu") as say:  # on stderr, at a terminal only

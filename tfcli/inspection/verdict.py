@@ -38,6 +38,7 @@ from tfcli.subjects.base import Inputs, RunFailed, primary_output, running
 
 TOLERANCE = 1e-5  # relative to the output's largest magnitude: same arithmetic, other shapes
 SEED = 0  # every run of the model starts from the same random state
+GROW = 2  # padded positions the padding-length check adds
 WEIGHT_TOLERANCE = 1e-6  # a blocked key's weight: exp(-1e9) and exp(-inf) are exactly 0
 
 
@@ -456,9 +457,10 @@ def _causality(model, plan: Plan, seq: Seq, values, output, tol, say) -> Check:
             f"output at or before position {t} moved by {m.size:.3g} when {seq.name}'s tokens "
             f"after {t} changed; leaks at {len(leaks)} of {len(moves)} split points "
             f"(t = {', '.join(str(t) for _, t in leaks[:8])}{', …' if len(leaks) > 8 else ''})"))
+    largest = max(m.size for m, _ in moves)
     return Check(name, "passed", (
         f"at each of {len(moves)} split points t, changing {seq.name}'s tokens after t moved no "
-        f"output at or before t beyond rounding (largest move {max(m.size for m, _ in moves):.3g})"))
+        f"output at or before t beyond rounding (largest move {largest:.3g})"))
 
 
 def _padding_checks(model, plan: Plan, seq: Seq, values, output, tol, say,
@@ -476,7 +478,7 @@ def _padding_checks(model, plan: Plan, seq: Seq, values, output, tol, say,
         out.append(_judged(f"padding of {seq.name}: content", move,
                            f"changed every padded position of {seq.name} ({told}); real "
                            f"outputs moved by at most {move.size:.3g}"))
-    grow = 2
+    grow = GROW
     if random:
         return out + [Check(f"padding of {seq.name}: length", "not checked",
                             "the model draws random numbers, and a longer input draws others")]
