@@ -73,9 +73,14 @@ class Inputs:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module):
+        with model_prints_to_stderr():
+            return self.call(model)
+
+    def call(self, model: nn.Module):
+        """The call alone, for a timed loop that runs inside one model_prints_to_stderr()
+        (redirecting stdout costs system calls, which a timing must not include)."""
         try:
-            with model_prints_to_stderr():
-                return model(*self.args, **self.kwargs)
+            return model(*self.args, **self.kwargs)
         except SystemExit as exit_:  # the model's own exit: a failed run, not tfcli ending
             raise ModelExited(f"the model called {exit_call(exit_)}") from None
 
