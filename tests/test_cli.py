@@ -158,7 +158,7 @@ def test_columns_are_clamped(cli, columns, width):
 
 
 def test_outputs_are_checked_before_work(tmp_path):
-    from tfcli.cli._outputs import Output, check_outputs
+    from tfcli.cli.outputs import Output, check_outputs
     from tfcli.errors import TfcliError
 
     (tmp_path / "d.csv").mkdir()
@@ -184,7 +184,7 @@ def test_outputs_are_checked_before_work(tmp_path):
 
 
 def test_atomic_file_keeps_the_old_file_until_commit(tmp_path):
-    from tfcli.cli._outputs import AtomicFile
+    from tfcli.cli.outputs import AtomicFile
 
     path = tmp_path / "r.csv"
     path.write_text("old")
@@ -204,7 +204,7 @@ def test_atomic_file_keeps_the_old_file_until_commit(tmp_path):
 def test_temporary_files_not_yet_in_place_can_be_removed_at_once(tmp_path):
     """What a second Ctrl-C does before ending the process: every temporary file not yet
     renamed into place goes; the targets stay as they were."""
-    from tfcli.cli._outputs import AtomicFile, remove_pending
+    from tfcli.cli.outputs import AtomicFile, remove_pending
 
     (tmp_path / "r.csv").write_text("old")
     first, second = AtomicFile(tmp_path / "r.csv"), AtomicFile(tmp_path / "p.png")

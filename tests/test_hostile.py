@@ -722,7 +722,7 @@ def test_an_empty_path_is_refused_as_empty(cli, tmp_path, monkeypatch, args):
     in one line naming the option. (The wiring is TfcliCommand.get_params in cli/_common.py;
     installed here too, so the refusal is tested whether or not it is wired yet.)"""
     from tfcli.cli import _common
-    from tfcli.cli._outputs import refuse_empty_paths
+    from tfcli.cli.outputs import refuse_empty_paths
 
     get_params = _common.TfcliCommand.get_params
     monkeypatch.setattr(_common.TfcliCommand, "get_params",

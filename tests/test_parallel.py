@@ -1,4 +1,4 @@
-"""Per-rank memory (tfcli.dist.plan) against the formulas of Rajbhandari et al. 2020 and
+"""Per-rank memory (tfcli.parallel.plan) against the formulas of Rajbhandari et al. 2020 and
 Korthikanti et al. 2022, against torch.distributed's FSDPMemTracker on the fake process group,
 and real gloo ranks against a single-process step.
 
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from tfcli.dist.plan import Parallel, parse_parallel, plan, stage_params
+from tfcli.parallel.plan import Parallel, parse_parallel, plan, stage_params
 from tfcli.errors import TfcliError
 from tfcli.model.presets import get_preset
 
@@ -207,8 +207,8 @@ def tracked():
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from tfcli.dist.measure import fsdp_fake_memory, tp_fake_layer_activations
-        from tfcli.dist.workers import tensor_parallel
+        from tfcli.parallel.measure import fsdp_fake_memory, tp_fake_layer_activations
+        from tfcli.parallel.workers import tensor_parallel
         from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         out = {{}}
@@ -309,7 +309,7 @@ def test_tp_plan_agrees_with_torch_parallelize_module(tracked):
 def test_tp_activations_per_layer_agree_with_mem_tracker(tracked, name, t):
     """Each layer of torch's tensor-parallel model (DTensor, Colwise/RowwiseParallel, no
     sequence parallelism) keeps what tfcli's replay of one rank's share keeps per layer."""
-    from tfcli.dist.activations import kept_per_layer, replay_share
+    from tfcli.parallel.activations import kept_per_layer, replay_share
 
     cfg, par = _cfg(name), Parallel(tp=t, sp=False)
     kept, _ = kept_per_layer(cfg, par, replay_share(cfg, t, 2, 64), 2, 64, "none", 4)
@@ -381,7 +381,7 @@ def ddp():
         import json, os
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
-        from tfcli.dist.launch import free_port
+        from tfcli.parallel.launch import free_port
         from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         from tfcli.subjects.own import OwnSubject
@@ -438,9 +438,9 @@ def _start_gloo() -> None:
     start_python("gloo", f"""
         import json, os, time
         from pathlib import Path
-        from tfcli.dist.bench import run
-        from tfcli.dist.launch import RankError, run_ranks
-        from tfcli.dist.workers import fail_rank
+        from tfcli.parallel.bench import run
+        from tfcli.parallel.launch import RankError, run_ranks
+        from tfcli.parallel.workers import fail_rank
         from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         out = {{"records": run({cfg!r}, 2, ["ddp", "fsdp", "tp"], "gloo", 4, [16], steps=2,
@@ -519,7 +519,7 @@ def test_a_hung_rank_is_ended_at_the_timeout(gloo):
 def test_nccl_without_gpus_is_refused_in_one_line():
     import torch
 
-    from tfcli.dist.bench import check_backend
+    from tfcli.parallel.bench import check_backend
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ranks_of(pid: int) -> list[int]:
-    """Live ``python -m tfcli.dist.launch`` children of ``pid`` (zombies are ended)."""
+    """Live ``python -m tfcli.parallel.launch`` children of ``pid`` (zombies are ended)."""
     out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid=,stat=,args="],
                          capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines()
-            if "tfcli.dist.launch" in line and line.split()[1][0] != "Z"]
+            if "tfcli.parallel.launch" in line and line.split()[1][0] != "Z"]
 
 
 def _alive(pid: int) -> bool:
@@ -100,8 +100,8 @@ def test_context_parallelism_is_refused_in_one_line(cli):
 def test_a_killed_rank_is_named_and_no_rank_is_left():
     """Rank 1 dies by SIGKILL (as by the OOM killer), writing no traceback, while rank 0 waits
     in an all-reduce: rank 1 is named, and rank 0 is ended."""
-    from tfcli.dist.launch import RankError, run_ranks
-    from tfcli.dist.workers import fail_rank
+    from tfcli.parallel.launch import RankError, run_ranks
+    from tfcli.parallel.workers import fail_rank
 
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 of 2 failed: killed by signal 9") as error:
@@ -115,8 +115,8 @@ def test_a_killed_rank_is_named_and_no_rank_is_left():
 def test_a_hung_rank_is_named_not_the_rank_waiting_for_it():
     """Rank 1 sleeps while rank 0 waits in an all-reduce: at the deadline their stacks say
     which one the other waits for."""
-    from tfcli.dist.launch import RankError, run_ranks
-    from tfcli.dist.workers import fail_rank
+    from tfcli.parallel.launch import RankError, run_ranks
+    from tfcli.parallel.workers import fail_rank
 
     with pytest.raises(RankError) as error:
         run_ranks(fail_rank, 2, (1, True), timeout=10)
@@ -130,8 +130,8 @@ def test_the_deadline_counts_from_when_every_rank_has_joined():
     """Start-up (a fresh interpreter importing torch, then the rendezvous) has its own
     allowance: a rank that has not joined by then is named as such, and none is left; the run's
     timeout starts only once all have joined, so a slow start cannot eat it."""
-    from tfcli.dist.launch import RankError, run_ranks
-    from tfcli.dist.workers import fail_rank
+    from tfcli.parallel.launch import RankError, run_ranks
+    from tfcli.parallel.workers import fail_rank
 
     with pytest.raises(RankError, match=r"of 2 did not join the process group within 0\.2 s "
                                         r"of starting"):
@@ -142,7 +142,7 @@ def test_the_deadline_counts_from_when_every_rank_has_joined():
 def test_ranks_that_have_not_started_python_yet_are_named_too(tmp_path):
     """At a very early deadline a rank may not have written its stack file yet: the ranks are
     still named (here two processes that never run Python), without a traceback of tfcli's."""
-    from tfcli.dist.launch import RankError, _end, _raise_late
+    from tfcli.parallel.launch import RankError, _end, _raise_late
 
     procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
     try:
@@ -157,8 +157,8 @@ def test_ranks_end_when_the_launcher_is_killed():
     """SIGKILL gives the launcher no chance to end its ranks (one asleep, one in a collective):
     they notice that their parent is gone and end themselves."""
     launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        from tfcli.dist.launch import run_ranks
-        from tfcli.dist.workers import fail_rank
+        from tfcli.parallel.launch import run_ranks
+        from tfcli.parallel.workers import fail_rank
         run_ranks(fail_rank, 2, (1, True), timeout=120)
         """)])
     try:
@@ -188,8 +188,8 @@ def test_collective_counter_agrees_with_comm_debug_mode():
         import torch.distributed as dist
         from torch.distributed.tensor.debug import CommDebugMode
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from tfcli.dist.bench import _CollectiveBytes
-        from tfcli.dist.workers import _layers, prepare
+        from tfcli.parallel.bench import _CollectiveBytes
+        from tfcli.parallel.workers import _layers, prepare
         from tfcli.model.presets import get_preset
 
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
-from tfcli.cli._outputs import refuse_empty_paths, remove_pending
+from tfcli.cli.outputs import refuse_empty_paths, remove_pending
 from tfcli.errors import TfcliError
 
 # typer >= 0.29 vendors click; its exception types are not re-exported at the top level.

@@ -13,7 +13,7 @@ import typer
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
                                print_json, resolve_subject, stdout)
-from tfcli.cli._outputs import AtomicFile, Output, check_outputs
+from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -149,7 +149,7 @@ def bench(
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     if max(lengths) > BIG:
         raise TfcliError(f"--seq-lens: {max(lengths)} is beyond {BIG:,}")
-    from tfcli.dist.bench import bench_cli, torchrun_world  # issue 14: torch.distributed ranks
+    from tfcli.parallel.bench import bench_cli, torchrun_world  # issue 14: torch.distributed ranks
 
     if nproc is not None or strategy is not None or backend is not None or \
             torchrun_world() is not None:

@@ -11,7 +11,7 @@ import typer
 from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
                                int_list, print_json, resolve_subject, sizes, stdout)
-from tfcli.cli._outputs import AtomicFile, Output, check_outputs
+from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.errors import TfcliError
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides

@@ -177,7 +177,7 @@ def params(
     _refuse_what_does_nothing(subject, per_rank, batch_size, seq_len, fit_, inference, dim,
                               freeze)
     if per_rank is not None:
-        from tfcli.dist.report import params_parallel  # issue 14: memory per rank
+        from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
         return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
                                checkpointing.value if checkpointing else None, dtype.value, mixed,

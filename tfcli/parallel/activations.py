@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tfcli.dist.layout import Line, Parallel, StageParams
+from tfcli.parallel.layout import Line, Parallel, StageParams
 from tfcli.model.config import Config
 
 

@@ -11,7 +11,7 @@ mode on the c10d ops (DDP's bucket all-reduce also through a counting communicat
 torch's ``CommDebugMode`` counts calls but not bytes, and on this model its module tracker raises
 IndexError (torch 2.13): each layer calls its one ``dropout`` module after every sublayer, and
 the tracker adds a forward hook per call, which then pops its module stack once too often. Where
-it runs (the dropout calls taken out), its counts equal this mode's (tests/test_dist_launch.py).
+it runs (the dropout calls taken out), its counts equal this mode's (tests/test_parallel_launch.py).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
     import torch
     import torch.distributed as dist
 
-    from tfcli.dist.workers import parity, prepare
+    from tfcli.parallel.workers import parity, prepare
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -156,7 +156,7 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
         lengths: list[int], steps: int = 5, seed: int = 0, timeout: float = 300.0,
         tolerance: float = 1e-4) -> list[dict[str, Any]]:
     """Records, one per (strategy, length, rank), from one launch of ``nproc`` ranks."""
-    from tfcli.dist.launch import run_ranks
+    from tfcli.parallel.launch import run_ranks
 
     for strategy in strategies:
         _check(cfg_dict, nproc, strategy, batch)
@@ -170,7 +170,7 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
 def records_of(ranks: list[list[dict]], backend: str, device: str, batch: int,
                tolerance: float = 1e-4) -> list[dict[str, Any]]:
     """Each rank's cells, held to the single-process step (each rank compared its own
-    gradients with it, :func:`tfcli.dist.workers.parity`): one record per cell and rank."""
+    gradients with it, :func:`tfcli.parallel.workers.parity`): one record per cell and rank."""
     nproc = len(ranks)
     records = []
     for i, first in enumerate(ranks[0]):
@@ -199,7 +199,7 @@ def records_of(ranks: list[list[dict]], backend: str, device: str, batch: int,
 
 
 def _check(cfg_dict: dict, nproc: int, strategy: str, batch: int) -> None:
-    from tfcli.dist.workers import STRATEGIES
+    from tfcli.parallel.workers import STRATEGIES
 
     if strategy == "cp":  # torch 2.13: ring attention replaces only flash/efficient/cuDNN SDPA
         raise TfcliError("--strategy cp: not benchmarked; torch's context_parallel shards only "
@@ -328,7 +328,7 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     else:
         _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
                    csv_path, world, ignored)
-    from tfcli.dist.launch import exit_rank
+    from tfcli.parallel.launch import exit_rank
 
     exit_rank(0)  # the work is done and written: skip the teardown that can abort (see there)
 
@@ -388,7 +388,7 @@ def _write_csv(records: list[dict], path) -> None:
     import csv
     import json
 
-    from tfcli.cli._outputs import AtomicFile
+    from tfcli.cli.outputs import AtomicFile
 
     out = AtomicFile(path, newline="")
     try:

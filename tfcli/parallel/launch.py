@@ -1,6 +1,6 @@
 """Start N torch.distributed ranks on this machine and collect what each returns.
 
-Each rank is a fresh interpreter (``python -m tfcli.dist.launch SPEC``; nothing inherited from a
+Each rank is a fresh interpreter (``python -m tfcli.parallel.launch SPEC``; nothing inherited from a
 fork, no torch threads or locks), rendezvous on 127.0.0.1 at a free port, and is watched by the
 parent: the first rank that fails, or the deadline, ends every rank, and the error names the
 rank. Nothing outlives :func:`run_ranks`: a rank whose parent is gone (killed, so that its
@@ -122,7 +122,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
         procs: list[subprocess.Popen] = []
         try:
             for text in texts:
-                procs.append(subprocess.Popen([sys.executable, "-m", "tfcli.dist.launch", text]))
+                procs.append(subprocess.Popen([sys.executable, "-m", "tfcli.parallel.launch", text]))
             deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
                 if any(p.returncode not in (None, 0) for p in procs):

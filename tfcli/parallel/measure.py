@@ -7,7 +7,7 @@ allocated) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``,
 every live tensor into sharded/unsharded parameters, gradients, optimizer state, activations,
 temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
 the same for tensor parallelism (``parallelize_module``) with torch's ``MemTracker``. These are
-torch's figures, not tfcli's: the tests hold :mod:`tfcli.dist.plan` to them.
+torch's figures, not tfcli's: the tests hold :mod:`tfcli.parallel.plan` to them.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
-    from tfcli.dist.workers import tensor_parallel
+    from tfcli.parallel.workers import tensor_parallel
     from tfcli.model.transformer import build_model
     from tfcli.subjects.own import OwnSubject
 

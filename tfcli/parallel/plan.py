@@ -22,8 +22,8 @@ Conventions (printed beside every figure):
   and backward's working set. Beside it, Korthikanti et al. 2022 Table 2 (bytes per layer at 16
   bits) as the cross-check. Pipeline stage i keeps min(P - i, m) micro-batches in flight (1F1B).
 
-The layout is :mod:`tfcli.dist.layout`, the activations :mod:`tfcli.dist.activations`,
-"does it fit?" :mod:`tfcli.dist.fit`. Nothing here imports torch except the replay.
+The layout is :mod:`tfcli.parallel.layout`, the activations :mod:`tfcli.parallel.activations`,
+"does it fit?" :mod:`tfcli.parallel.fit`. Nothing here imports torch except the replay.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tfcli.dist.activations import (activation_lines, cross_check, kept_per_layer,
+from tfcli.parallel.activations import (activation_lines, cross_check, kept_per_layer,
                                     replay_share)
-from tfcli.dist.layout import (Line, Parallel, StageParams, parse_parallel,  # noqa: F401
+from tfcli.parallel.layout import (Line, Parallel, StageParams, parse_parallel,  # noqa: F401
                                stage_params)
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config

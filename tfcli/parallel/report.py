@@ -4,8 +4,8 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.dist.fit import fit, parse_device_memory
-from tfcli.dist.plan import Parallel, parse_parallel, plan
+from tfcli.parallel.fit import fit, parse_device_memory
+from tfcli.parallel.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
 
