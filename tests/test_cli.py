@@ -135,7 +135,7 @@ def test_the_console_script_and_python_m_go_through_the_early_handler():
 
 
 def test_ascii_stand_ins():
-    from tfcli.cli._common import _ascii_fallback  # noqa: F401 (registers nothing by itself)
+    from tfcli.cli.process import _ascii_fallback  # noqa: F401 (registers nothing by itself)
     import codecs
 
     codecs.register_error("tfcli-ascii", _ascii_fallback)
@@ -148,7 +148,7 @@ def test_ascii_stand_ins():
                                            ("99999", "1000")])
 def test_columns_are_clamped(cli, columns, width):
     code = "import os; print(os.environ['COLUMNS'])"
-    result = subprocess.run([sys.executable, "-c", "from tfcli.cli._common import "
+    result = subprocess.run([sys.executable, "-c", "from tfcli.cli.process import "
                              "_prepare_process; _prepare_process(); " + code],
                             capture_output=True, text=True, env={"COLUMNS": columns})
     assert result.stdout.strip() == width
@@ -231,7 +231,7 @@ def test_bench_refuses_what_it_would_ignore(cli, args, message):
 
 
 def test_given_is_false_outside_a_command():
-    from tfcli.cli._common import given
+    from tfcli.cli.options import given
 
     assert not given("src_len")
 

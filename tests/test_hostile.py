@@ -719,13 +719,13 @@ def test_output_under_a_regular_file_refused(tmp_path, args):
 def test_an_empty_path_is_refused_as_empty(cli, tmp_path, monkeypatch, args):
     """typer reads '' as Path('.'): '--config ""' was reported as the directory '.', and
     'bench --profile ""' wrote its traces into the current directory. A path option refuses ''
-    in one line naming the option. (The wiring is TfcliCommand.get_params in cli/_common.py;
+    in one line naming the option. (The wiring is TfcliCommand.get_params in cli/options.py;
     installed here too, so the refusal is tested whether or not it is wired yet.)"""
-    from tfcli.cli import _common
+    from tfcli.cli import options
     from tfcli.cli.outputs import refuse_empty_paths
 
-    get_params = _common.TfcliCommand.get_params
-    monkeypatch.setattr(_common.TfcliCommand, "get_params",
+    get_params = options.TfcliCommand.get_params
+    monkeypatch.setattr(options.TfcliCommand, "get_params",
                         lambda self, ctx: refuse_empty_paths(get_params(self, ctx)))
     monkeypatch.chdir(tmp_path)
     result = cli(*args, "--seq-lens", "16") if args[0] == "bench" else cli(*args)

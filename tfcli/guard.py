@@ -232,3 +232,27 @@ def attention_cell_bytes(kernel: str, which: str, batch: int, heads: int, head_d
     squares = (batch * heads * length * length * (4 if backward else 2)
                if kernel in ("naive", "sdpa-math") else 0)
     return (vectors + squares) * element_size
+
+
+def guard_run(subject, dims: dict[str, int] | None, what: str, max_memory: str | None,
+              device: str = "cpu", extra: tuple[int, str] = (0, ""),
+              forward_only: bool = False) -> None:
+    """Refuse a real run of ``subject`` at ``dims`` (None: no model run) plus ``extra``
+    (bytes, what they are) whose estimate exceeds what is available (or --max-memory), before
+    anything is allocated."""
+    limit = parse_size(max_memory) if max_memory is not None else None
+    need, how = (model_run_bytes(subject, dims, forward_only=forward_only)
+                 if subject is not None else (0, ""))
+    if extra[0]:
+        need, how = need + extra[0], " + ".join(part for part in (how, extra[1]) if part)
+    require(need, what, limit, device, how)
+
+
+def guard_build(subject, what: str, max_memory: str | None = None) -> None:
+    """Refuse to build ``subject``'s weights on the CPU when they would not fit (estimated on
+    meta; a model that cannot be built there is not estimated)."""
+    limit = parse_size(max_memory) if max_memory is not None else None
+    need = weight_bytes(subject)
+    if need is not None:
+        require(need, what, limit, "cpu", "parameters and buffers")
+

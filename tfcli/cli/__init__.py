@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli import __version__
-from tfcli.cli._common import TfcliCommand, TfcliGroup, _Signals
+from tfcli.cli.options import TfcliCommand
+from tfcli.cli.process import TfcliGroup
+from tfcli.cli.signals import Signals
 from tfcli.cli.bench_cmd import bench
 from tfcli.cli.config_cmd import config
 from tfcli.cli.masks_cmd import masks
@@ -48,5 +50,5 @@ app.command("config", cls=TfcliCommand)(config)
 
 
 def main() -> None:
-    _Signals.own_process = True  # the process ends with the command: no handler to give back
+    Signals.own_process = True  # the process ends with the command: no handler to give back
     app()

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, JsonOpt, PresetOpt, SetOpt, print_json,
-                               resolve_config, stdout)
+from tfcli.cli.options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, resolve_config
+from tfcli.cli.process import print_json, stdout
 from tfcli.errors import TfcliError
 
 FieldsOpt = Annotated[bool, typer.Option(

@@ -8,11 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
-                               int_list, print_json, resolve_subject, sizes, stdout)
+from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
+                               resolve_subject, sizes)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
+from tfcli.cli.process import print_json, stdout
 from tfcli.errors import TfcliError
+from tfcli.guard import guard_run
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
 WHOLE = 512  # --json and --png hold every cell up to this many positions a side

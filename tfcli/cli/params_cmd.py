@@ -7,10 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
+from tfcli.cli.options import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
-                               guard_build, max_seq_len_hint, print_json, refuse_unused_sizes,
-                               resolve_subject, sizes, stdout)
+                               max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
+from tfcli.cli.process import print_json, stdout
+from tfcli.guard import guard_build
 
 
 class DType(str, Enum):
@@ -130,7 +131,7 @@ def params(
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
-    from tfcli.cli._common import refuse_table_options
+    from tfcli.cli.options import refuse_table_options
 
     refuse_table_options(json_out)
     own_only = [o for o, v in (("--inference", inference), ("--parallel", parallel)) if v]

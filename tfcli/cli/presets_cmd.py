@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tfcli.cli._common import JsonOpt, print_json, stdout
+from tfcli.cli.options import JsonOpt
+from tfcli.cli.process import print_json, stdout
 
 
 def presets(json_out: JsonOpt = False) -> None:

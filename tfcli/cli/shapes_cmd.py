@@ -7,11 +7,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli._common import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, guard_run,
-                               int_list, max_seq_len_hint, print_json, refuse_table_options,
-                               refuse_unused_sizes, resolve_subject, sizes, stdout)
+from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
+                               max_seq_len_hint, refuse_table_options, refuse_unused_sizes,
+                               resolve_subject, sizes)
+from tfcli.cli.process import print_json, stdout
 from tfcli.errors import TfcliError
+from tfcli.guard import guard_run
 
 
 class Device(str, Enum):

@@ -368,14 +368,14 @@ def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend:
     if csv_path is not None:
         _write_csv(records, csv_path)
     if json_out:
-        from tfcli.cli._common import print_json
+        from tfcli.cli.process import print_json
 
         print_json({"records": records, "conditions": {
             "dropout": "set to 0 so that the ranks and the single-process step agree",
             "timing": "fixed number of steps between barriers on every rank",
             "launch": "torchrun" if world is not None else "spawned by tfcli"}})
     else:
-        from tfcli.cli._common import stdout
+        from tfcli.cli.process import stdout
 
         render(records, stdout())
     if not all(r["parity"] for r in records):

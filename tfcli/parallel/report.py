@@ -157,10 +157,10 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory, fit_what)
     data["config"] = cfg.to_dict()
     if json_out:
-        from tfcli.cli._common import print_json
+        from tfcli.cli.process import print_json
 
         print_json(data)
         return
-    from tfcli.cli._common import stdout
+    from tfcli.cli.process import stdout
 
     render(data, stdout())
