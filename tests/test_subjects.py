@@ -428,8 +428,11 @@ def test_a_factory_that_builds_on_meta_is_initialised_for_real_runs(cli, tmp_pat
     ([*TUTORIAL, "--pad-id", "0"], "--pad-id pads the sequences"),
     ([*TUTORIAL, "--lengths", "src=30,2", "--pad-id", "0", "--dim", "S=5"], "at most"),
     ([*TUTORIAL, "--src-lens", "3,2"], "--lengths NAME=N,N"),
-    (["--preset", "tiny", "--causal", "tgt"], "--causal, --lengths, --mask, --window and --dim"),
-    (["--preset", "tiny", "--mask", "src_valid=bool-allowed"], "--window and --dim apply to"),
+    (["--preset", "tiny", "--causal", "tgt"], "--causal: only for --model; tfcli's own model "
+                                              "takes --src-lens/--tgt-lens"),
+    (["--preset", "tiny", "--lengths", "tgt=3,2", "--window", "tgt=2"],
+     "--lengths, --window: only for --model"),
+    (["--preset", "tiny", "--mask", "src_valid=bool-allowed"], "--mask: only for --model"),
     (["--preset", "tiny", "--window", "tgt=2"], "(and --set attention_window=W)"),
     ([*TUTORIAL, "--window", "tgt=0"], "expected NAME=W with W a positive number"),
     ([*TUTORIAL, "--window", "nothere=2"], "--window nothere: not a sequence input"),

@@ -11,10 +11,11 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list,
                                resolve_subject)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
+from tfcli.cli.rules import Needs, Rule, Rules
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -35,12 +36,40 @@ class _WriteFailed(Exception):
     """An output could not be written mid-sweep: the sweep ends, the table is still printed."""
 
 
-_NOT_WITH_NPROC = {
-    "pass_": "--pass", "kernels": "--kernels", "device": "--device", "dtype": "--dtype",
-    "tokens": "--tokens", "tgt_len": "--tgt-len", "heads": "--heads", "head_dim": "--head-dim",
-    "kv_heads": "--kv-heads", "causal": "--causal", "threads": "--threads",
-    "min_time": "--min-time", "max_time": "--max-time", "calibrate": "--calibrate",
-    "plot": "--plot", "profile": "--profile", "max_memory": "--max-memory"}
+def _ranks(v) -> bool:
+    """Whether this run is on torch.distributed ranks (--nproc, or started by torchrun)."""
+    from tfcli.parallel.bench import torchrun_world
+
+    return (v.nproc is not None or v.strategy is not None or v.backend is not None
+            or torchrun_world() is not None)
+
+
+RULES = Rules(
+    Rule("tokens", Needs(lambda v: not v.typed("batch_size"), "not with --batch-size",
+                         "{option} and --batch-size: give one (with --tokens, batch = tokens / "
+                         "L)")),
+    # what the ranks do not read: they run a fixed number of training steps of the model
+    Rule(("pass_", "kernels", "device", "dtype", "tokens", "tgt_len", "heads", "head_dim",
+          "kv_heads", "causal", "threads", "min_time", "max_time", "calibrate", "plot", "profile",
+          "max_memory"), Needs(
+        lambda v: not v.ranks, "not with --nproc",
+        "{option}: not read by ranks, which run a fixed number of training steps of the model; "
+        "with --nproc give --seq-lens, --batch-size, --seed, --strategy, --backend, --json, "
+        "--csv")),
+    Rule(("heads", "head_dim", "kv_heads", "causal"), Needs(
+        lambda v: v.what == "attention", "only with --what attention",
+        "{option}: apply to --what attention only; the model's own come from its "
+        "configuration")),
+    Rule("tgt_len", Needs(lambda v: v.what == "model", "only with --what model",
+                          "applies to --what model")),
+    Rule("input_", Needs(lambda v: v.what == "model", "only with --what model",
+                         "describes the forward of the model --what model runs; --what "
+                         "attention times the attention core alone")),
+    Rule("dim", Needs(lambda v: False, "not in bench: --batch-size and --seq-lens set the sizes",
+                      "{option}: bench sets B from --batch-size and every length letter from "
+                      "--seq-lens")),
+    derived={"ranks": _ranks},
+)
 
 
 def _cpus() -> int:
@@ -126,6 +155,7 @@ def bench(
     """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
     if what not in ("attention", "model"):
         raise TfcliError(f"--what {what!r}: choose attention or model")
+    RULES.apply(locals())
     check_outputs(Output(csv_path, "--csv", ".csv"), Output(plot, "--plot", ".png"),
                   Output(profile, "--profile", directory=True))
     if plot is not None:
@@ -139,8 +169,6 @@ def bench(
     if threads is not None and threads > _cpus():
         raise TfcliError(f"--threads {threads}: this process may use {_cpus()} CPUs; choose "
                          f"1..{_cpus()}")
-    if tokens is not None and batch_size is not None:
-        raise TfcliError("--tokens and --batch-size: give one (with --tokens, batch = tokens / L)")
     batch_size = 1 if batch_size is None else batch_size
     from tfcli.guard import parse_size
 
@@ -154,10 +182,8 @@ def bench(
 
     if nproc is not None or strategy is not None or backend is not None or \
             torchrun_world() is not None:
-        # what the ranks' path does not read: a fixed number of training steps of the model
-        ignored = [option for name, option in _NOT_WITH_NPROC.items() if given(name)]
         return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out,
-                         csv_path, ignored)
+                         csv_path)
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])
     allowed = ALL_KERNELS if what == "attention" else list(subject.kernels)
     chosen = _choices(kernels, "--kernels", allowed) if kernels is not None else allowed
@@ -173,14 +199,6 @@ def bench(
         if cfg is not None and cfg.positional != "none" and longest > cfg.max_seq_len:
             raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"add --set max_seq_len={longest}")
-        if heads or head_dim or kv_heads or causal:
-            raise TfcliError("--heads, --head-dim, --kv-heads and --causal apply to --what "
-                             "attention; the model's own come from its configuration")
-    elif tgt_len is not None:
-        raise TfcliError("--tgt-len applies to --what model")
-    elif input_:
-        raise TfcliError("--input describes the forward of the model --what model runs; --what "
-                         "attention times the attention core alone")
     elif cfg is None and subject.kind != "hf":  # nothing of a module sizes the core
         raise TfcliError(f"--model {subject.label}: --what attention times the attention core "
                          f"alone, sized by --heads/--head-dim, and uses nothing of the module; "
@@ -196,9 +214,6 @@ def bench(
         if not subject.length_dims():
             raise TfcliError("--what model sweeps the length letters S, T or L of the inputs; "
                              "describe them with --input NAME=DTYPE[B,L] (for example)")
-    if dim:
-        raise TfcliError("--dim: bench sets B from --batch-size and every length letter from "
-                         "--seq-lens")
     import torch
 
     from tfcli.bench.sweep import Spec
@@ -214,6 +229,9 @@ def bench(
                 threads or torch.get_num_threads(), min_time, max_time, calibrate, seed,
                 max_memory=memory_limit, kv_heads=n_kv if n_kv != n_heads else None)
     _run(spec, subject, csv_path, plot, profile, json_out)
+
+
+bench.rules = RULES
 
 
 def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path | None,

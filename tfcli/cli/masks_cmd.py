@@ -9,10 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
-                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
-                               resolve_subject, sizes)
+                               ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list, resolve_subject,
+                               sizes)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
+from tfcli.cli.rules import Needs, Rule, Rules
 from tfcli.errors import TfcliError
 from tfcli.guard import guard_run
 
@@ -36,6 +37,41 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
         raise TfcliError(f"{option} {text!r}: expected equal-length sequences of token ids "
                          f"separated by ';', e.g. {option} '5,6,0;7,0,0'")
     return rows
+
+
+MODEL = (lambda v: v.model_ref is not None, "only with --model")
+OWN_MODEL = (lambda v: v.model_ref is None, "not with --model")
+RULES = Rules(
+    Rule("batch_index", Needs(
+        lambda v: not v.json_out or v.png is not None, "not with --json alone",
+        "{option} {value} picks the sequence drawn; --json holds every sequence (use it with "
+        "the table or --png)")),
+    Rule(("src_lens", "tgt_lens", "src_ids", "tgt_ids"), Needs(
+        *OWN_MODEL, "{option} describe tfcli's own model's batch; for --model use --lengths "
+                    "NAME=N,N and --pad-id")),
+    Rule("src_ids", Needs(lambda v: not v.typed("src_lens"), "not with --src-lens",
+                          "--src-lens and {option}: give one or the other")),
+    Rule("tgt_ids", Needs(lambda v: not v.typed("tgt_lens"), "not with --tgt-lens",
+                          "--tgt-lens and {option}: give one or the other")),
+    Rule("causal", Needs(
+        lambda v: v.check or v.model_ref is None, "only with --check",
+        "names what --check verifies; add --check (without it the masks the model applied are "
+        "drawn as they are)")),
+    Rule(("causal", "lengths", "mask", "window", "dim"), Needs(
+        *MODEL, "{option}: only for --model; tfcli's own model takes --src-lens/--tgt-lens or "
+                "--src-ids/--tgt-ids (and --set attention_window=W)")),
+    Rule(("convention", "max_grid"), Needs(
+        lambda v: not (v.json_out and v.model_ref is not None), "not with --json for --model",
+        "{option}: shape the drawn grids; --json for --model holds each captured mask whole, "
+        "as booleans")),
+    Rule("pad_id", Needs(
+        lambda v: v.model_ref is not None or v.src_ids is not None or v.tgt_ids is not None,
+        "only with --src-ids/--tgt-ids or --model",
+        "marks padding in --src-ids/--tgt-ids; give ids, or use --src-lens/--tgt-lens")),
+    Rule("max_memory", Needs(
+        lambda v: v.check or v.model_ref is not None, "only with --check or --model",
+        "bounds masks --check; drawing the grids costs the same at any length")),
+)
 
 
 def masks(
@@ -97,6 +133,7 @@ def masks(
     json_out: JsonOpt = False,
 ) -> None:
     """Padding, causal, combined and cross-attention masks for an example batch."""
+    RULES.apply(locals())
     import torch
 
     check_outputs(Output(png, "--png", ".png"))
@@ -107,31 +144,10 @@ def masks(
     from tfcli.render.masks import render_masks, render_verdict
 
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
-    if json_out and png is None and given("batch_index"):
-        raise TfcliError(f"--batch-index {batch_index} picks the sequence drawn; --json holds "
-                         f"every sequence (use it with the table or --png)")
     if getattr(subject, "cfg", None) is None:
-        if src_lens or tgt_lens or src_ids or tgt_ids:
-            raise TfcliError("--src-lens/--tgt-lens/--src-ids/--tgt-ids describe tfcli's own "
-                             "model's batch; for --model use --lengths NAME=N,N and --pad-id")
-        if causal and not check:
-            raise TfcliError("--causal names what --check verifies; add --check (without it "
-                             "the masks the model applied are drawn as they are)")
-        drawing = [o for n, o in (("convention", "--convention"), ("max_grid", "--max-grid"))
-                   if given(n)]
-        if json_out and drawing:
-            raise TfcliError(f"{', '.join(drawing)}: shape the drawn grids; --json for --model "
-                             f"holds each captured mask whole, as booleans")
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
                    check, max_grid, json_out, max_memory, mask, window)
         return
-    if causal or lengths or dim or mask or window:
-        raise TfcliError("--causal, --lengths, --mask, --window and --dim apply to --model; "
-                         "tfcli's own model takes --src-lens/--tgt-lens or --src-ids/--tgt-ids "
-                         "(and --set attention_window=W)")
-    if pad_id is not None and src_ids is None and tgt_ids is None:
-        raise TfcliError("--pad-id marks padding in --src-ids/--tgt-ids; give ids, or use "
-                         "--src-lens/--tgt-lens")
     pad_id = 0 if pad_id is None else pad_id
     cfg = subject.cfg
     sides_present = [s for s, present in (("src", cfg.has_encoder), ("tgt", cfg.has_decoder))
@@ -139,8 +155,6 @@ def masks(
     by_side = {"src": (src_lens, src_ids), "tgt": (tgt_lens, tgt_ids)}
     for side in ("src", "tgt"):
         lens, ids = by_side[side]
-        if lens is not None and ids is not None:
-            raise TfcliError(f"--{side}-lens and --{side}-ids: give one or the other")
         if side not in sides_present and (lens is not None or ids is not None):
             raise TfcliError(f"--{side}-lens/--{side}-ids: this {cfg.kind} model has no "
                              f"{'source' if side == 'src' else 'target'} side")
@@ -182,9 +196,6 @@ def masks(
     if batch_index >= batch_size:
         raise TfcliError(f"--batch-index {batch_index}: the batch has {batch_size} sequences "
                          f"(0..{batch_size - 1})")
-    if max_memory is not None and not check:
-        raise TfcliError("--max-memory bounds masks --check; drawing the grids costs the same "
-                         "at any length")
 
     # Drawing computes only the cells shown (see tfcli.inspection.maskgrid); --check runs the
     # model and builds every mask whole (B x queries x keys, an expanded and a converted copy).
@@ -257,6 +268,9 @@ def masks(
             console.print(f"\nwrote {png}")
     if report is not None and report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+masks.rules = RULES
 
 
 def _to_json(cfg, grids, sides, limits, batch_size, convention, report) -> dict:

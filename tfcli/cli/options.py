@@ -116,16 +116,6 @@ def given(name: str) -> bool:
 
 
 
-def refuse_table_options(json_out: bool) -> None:
-    """--depth and --expand shape the table; the JSON holds every module whatever they are."""
-    typed = [option for name, option in (("depth", "--depth"), ("expand", "--expand"))
-             if given(name)]
-    if json_out and typed:
-        raise TfcliError(f"{', '.join(typed)}: shape the table; --json holds every module "
-                         f"whole (drop {'them' if len(typed) > 1 else 'it'}, or drop --json)")
-
-
-
 # The letters each size option sets; L (an input's one length) follows --src-len.
 SIZE_LETTERS = {"--batch-size": ("B",), "--src-len": ("S", "L"), "--tgt-len": ("T",)}
 
@@ -198,6 +188,13 @@ def flags_take_no_value(params: list) -> list:
 
 
 class TfcliCommand(TyperCommand):
+    """A command whose options refuse an empty path, show flags without a value, and state in
+    ``--help`` when they mean something (the command's ``rules`` table, ``tfcli.cli.rules``)."""
+
     def get_params(self, ctx):
-        return flags_take_no_value(refuse_empty_paths(super().get_params(ctx)))
+        from tfcli.cli.rules import help_with_conditions
+
+        function = getattr(self.callback, "__wrapped__", self.callback)
+        params = refuse_empty_paths(super().get_params(ctx))
+        return flags_take_no_value(help_with_conditions(params, getattr(function, "rules", None)))
 

@@ -11,6 +11,7 @@ from tfcli.cli.options import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
+from tfcli.cli.rules import Needs, Rule, Rules
 from tfcli.guard import guard_build
 
 
@@ -60,6 +61,69 @@ class Kernel(str, Enum):
     math = "math"
     flash = "flash"
     efficient = "efficient"
+
+
+def _per_rank(v) -> str | None:
+    """The first option that asks for the per-rank plan (None: one device)."""
+    return next((o for o, value in (("--parallel", v.parallel), ("--checkpointing", v.checkpointing),
+                                    ("--micro-batches", v.micro_batches),
+                                    ("--device-memory", v.device_memory), ("--fit", v.fit_))
+                 if value is not None), None)
+
+
+OWN = Needs(lambda v: v.model_ref is None, "not with --model",
+            "{option} needs tfcli's own configuration (--preset/--config/--set); for --model it "
+            "is not computed yet")
+STEP = Needs(lambda v: v.seq_len is not None, "only with --seq-len",
+             "applies to the memory of a step: add --seq-len L (and --batch-size B)")
+SIZED = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+              "sizes the activation lines, which need a length: add --seq-len L")
+CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+                            "changes the activations, which need a length: add --seq-len L "
+                            "(model states are the same with or without it)")
+TABLE_ONLY = Needs(lambda v: not v.json_out, "not with --json",
+                   "{option}: shape the table; --json holds every module whole (drop {it}, or "
+                   "drop --json)")
+ONE_DEVICE = Needs(lambda v: v.per_rank is None, "not with --parallel",
+                   "does nothing with {v.per_rank}: the per-rank plan is computed from tfcli's "
+                   "configuration, not a built model's table")
+TRAINING = Needs(lambda v: not v.inference, "not with --inference",
+                 "applies to training memory; --inference counts weights, KV cache and working "
+                 "memory only")
+
+RULES = Rules(
+    Rule(("depth", "expand"), TABLE_ONLY),
+    Rule("inference", OWN),
+    Rule("parallel", OWN),
+    Rule("device", STEP),
+    Rule("attention_kernel", STEP),
+    Rule("keep_grads", STEP),
+    Rule("inference", STEP),
+    Rule("kv_dtype", Needs(lambda v: v.inference, "only with --inference",
+                           "applies to --inference")),
+    Rule("freeze", Needs(lambda v: v.per_rank is None, "not with --parallel",
+                         "is not modelled with {v.per_rank}: the per-rank plan gives every "
+                         "parameter gradients and optimizer state; drop --freeze, or drop "
+                         "{v.per_rank} to size one device with frozen parameters")),
+    Rule("build_on", ONE_DEVICE),
+    Rule("max_memory", ONE_DEVICE,
+         Needs(lambda v: v.build_on is BuildDevice.cpu, "only with --build-on cpu",
+               "bounds --build-on cpu; meta allocates nothing")),
+    Rule("keep_grads", ONE_DEVICE),
+    Rule("dim", ONE_DEVICE),
+    Rule("depth", ONE_DEVICE),
+    Rule("expand", ONE_DEVICE),
+    Rule("batch_size", SIZED),
+    Rule("dim", SIZED),
+    Rule("mixed_precision", CHANGES_ACTIVATIONS),
+    Rule("checkpointing", CHANGES_ACTIVATIONS),
+    Rule("micro_batches", CHANGES_ACTIVATIONS),
+    Rule("optimizer", TRAINING),
+    Rule("mixed_precision", TRAINING),
+    Rule("keep_grads", TRAINING),
+    derived={"per_rank": _per_rank,
+             "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
+)
 
 
 def params(
@@ -125,35 +189,16 @@ def params(
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
+    v = RULES.apply(locals())
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
-    from tfcli.cli.options import refuse_table_options
-
-    refuse_table_options(json_out)
-    own_only = [o for o, v in (("--inference", inference), ("--parallel", parallel)) if v]
-    if model_ref is not None and own_only:  # said before a model is imported or built
-        raise TfcliError(f"{own_only[0]} needs tfcli's own configuration "
-                         f"(--preset/--config/--set); for --model it is not computed yet")
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
-    if seq_len is None:
-        step_only = [o for o, v in (("--device cuda", device is TrainDevice.cuda),
-                                    ("--attention-kernel", attention_kernel is not Kernel.auto),
-                                    ("--keep-grads", keep_grads), ("--inference", inference))
-                     if v]
-        if step_only:
-            raise TfcliError(f"{step_only[0]} applies to the memory of a step: add --seq-len L "
-                             f"(and --batch-size B)")
-    if kv_dtype is not None and not inference:
-        raise TfcliError("--kv-dtype applies to --inference")
-    if inference and cfg is None:
-        raise TfcliError("--inference needs tfcli's own configuration (its KV cache comes from "
-                         "n_decoder_layers, kv heads and d_k); use --preset/--config/--set")
     if seq_len is not None and seq_len > MAX_SIZE:  # so a --set max_seq_len hint is allowed
         raise TfcliError(f"--seq-len {seq_len}: at most {MAX_SIZE:,}")
     if cfg is not None and seq_len is not None and seq_len > cfg.max_seq_len \
@@ -171,13 +216,9 @@ def params(
         raise TfcliError(f"--attention-kernel {kernel} on --device cpu with dropout="
                          f"{cfg.dropout}: the CPU flash kernel takes no dropout (SDPA falls "
                          f"back to math); size a GPU run with --device cuda")
-    per_rank = next((o for o, v in (("--parallel", parallel), ("--checkpointing", checkpointing),
-                                    ("--micro-batches", micro_batches),
-                                    ("--device-memory", device_memory), ("--fit", fit_))
-                     if v is not None), None)
-    _refuse_what_does_nothing(subject, per_rank, batch_size, seq_len, fit_, inference, dim,
-                              freeze)
-    if per_rank is not None:
+    if seq_len is not None and given("batch_size"):
+        refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
+    if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
         return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
@@ -186,8 +227,6 @@ def params(
                                fit_.value if fit_ else None, inference, json_out)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
-    elif max_memory is not None:
-        raise TfcliError("--max-memory bounds --build-on cpu; meta allocates nothing")
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model)
@@ -239,6 +278,9 @@ def params(
            else f"parameters: {subject.label}")
 
 
+params.rules = RULES
+
+
 def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:
     """Modules called in several roles by one forward at ``dims`` (a trace on meta or fake
     tensors, as the replay ran it); nothing when the trace cannot run."""
@@ -252,45 +294,3 @@ def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:
     except ForwardFailed:
         return []
     return [r.to_dict() for r in reused_calls(events, model)]
-
-
-def _refuse_what_does_nothing(subject, per_rank: str | None, batch_size: int,
-                              seq_len: int | None, fit_, inference: bool, dim: list[str] | None,
-                              freeze: list[str] | None) -> None:
-    """Refuse an option the user gave that this combination would silently ignore."""
-    from tfcli.errors import TfcliError
-
-    if per_rank is not None:
-        if freeze:
-            raise TfcliError(f"--freeze is not modelled with {per_rank}: the per-rank plan "
-                             f"gives every parameter gradients and optimizer state; drop "
-                             f"--freeze, or drop {per_rank} to size one device with frozen "
-                             f"parameters")
-        ignored = [o for o, name in (("--build-on", "build_on"), ("--max-memory", "max_memory"),
-                                     ("--keep-grads", "keep_grads"), ("--dim", "dim"),
-                                     ("--depth", "depth"), ("--expand", "expand"))
-                   if given(name)]
-        if ignored:
-            raise TfcliError(f"{ignored[0]} does nothing with {per_rank}: the per-rank plan is "
-                             f"computed from tfcli's configuration, not a built model's table")
-    sized = seq_len is not None or fit_ is Fit.seq_len
-    for option, name in (("--batch-size", "batch_size"), ("--dim", "dim")):
-        if given(name) and not sized:
-            raise TfcliError(f"{option} sizes the activation lines, which need a length: add "
-                             f"--seq-len L")
-    # without a length only the model states are given, which these do not change
-    for option, name in (("--mixed-precision", "mixed_precision"),
-                         ("--checkpointing", "checkpointing"),
-                         ("--micro-batches", "micro_batches")):
-        if given(name) and not sized:
-            raise TfcliError(f"{option} changes the activations, which need a length: add "
-                             f"--seq-len L (model states are the same with or without it)")
-    if seq_len is not None and given("batch_size"):
-        refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
-    if inference:
-        ignored = [o for o, name in (("--optimizer", "optimizer"),
-                                     ("--mixed-precision", "mixed_precision"),
-                                     ("--keep-grads", "keep_grads")) if given(name)]
-        if ignored:
-            raise TfcliError(f"{ignored[0]} applies to training memory; --inference counts "
-                             f"weights, KV cache and working memory only")

@@ -9,9 +9,10 @@ import typer
 
 from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
-                               max_seq_len_hint, refuse_table_options, refuse_unused_sizes,
+                               max_seq_len_hint, refuse_unused_sizes,
                                resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
+from tfcli.cli.rules import Needs, Rule, Rules
 from tfcli.errors import TfcliError
 from tfcli.guard import guard_run
 
@@ -31,6 +32,24 @@ def _check_device(device: str) -> None:
     if device == "mps" and not torch.backends.mps.is_available():
         raise TfcliError("--device mps: no MPS device here (torch.backends.mps.is_available() "
                          "is False)")
+
+
+OWN_MODEL = (lambda v: v.model_ref is None, "not with --model")
+RULES = Rules(
+    Rule(("depth", "expand"), Needs(
+        lambda v: not v.json_out, "not with --json",
+        "{option}: shape the table; --json holds every module whole (drop {it}, or drop "
+        "--json)")),
+    Rule("causal_flops", Needs(
+        *OWN_MODEL, "halves the attention tfcli's own configuration makes causal; for --model "
+                    "the FLOPs are counted as the model runs them")),
+    Rule(("src_lens", "tgt_lens"), Needs(
+        *OWN_MODEL, "{option} pad tfcli's own model; for --model, see `tfcli masks "
+                    "--lengths`")),
+    Rule("max_memory", Needs(
+        lambda v: v.device is not Device.meta, "only with --device cpu/cuda/mps",
+        "bounds a real run; --device meta allocates nothing")),
+)
 
 
 def shapes(
@@ -60,7 +79,7 @@ def shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
-    refuse_table_options(json_out)
+    RULES.apply(locals())
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
     _check_device(device.value)
     refuse_unused_sizes(subject, {option: value for option, value, name in (
@@ -68,9 +87,6 @@ def shapes(
         ("--tgt-len", tgt_len, "tgt_len")) if given(name)}, dim)
     dims = sizes(subject, batch_size, src_len, tgt_len, dim)
     cfg = getattr(subject, "cfg", None)
-    if causal_flops and cfg is None:
-        raise TfcliError("--causal-flops halves the attention tfcli's own configuration makes "
-                         "causal; for --model the FLOPs are counted as the model runs them")
     if causal_flops and cfg is not None and not cfg.has_decoder:
         raise TfcliError(f"--causal-flops: this {cfg.kind} model has no causal attention to "
                          f"count half of")
@@ -80,11 +96,6 @@ def shapes(
             if present and cfg.positional != "none" and lengths[side] > cfg.max_seq_len:
                 raise TfcliError(f"--{side}-len {lengths[side]} exceeds max_seq_len="
                                  f"{cfg.max_seq_len}; {max_seq_len_hint(lengths[side])}")
-    elif src_lens is not None or tgt_lens is not None:
-        raise TfcliError("--src-lens/--tgt-lens pad tfcli's own model; for --model, see "
-                         "`tfcli masks --lengths`")
-    if device.value == "meta" and max_memory is not None:
-        raise TfcliError("--max-memory bounds a real run; --device meta allocates nothing")
     if device.value != "meta":  # estimated on fake tensors first: refused, not OOM-killed
         guard_run(subject, dims, f"shapes --device {device.value}", max_memory, device.value)
     run_device, abstract = subject.abstract_run(device.value)
@@ -99,6 +110,9 @@ def shapes(
         _trace_and_show(subject, "cpu", "cpu", *args, fallback=(
             f"the forward pass cannot run without values ({failed}); traced on the CPU at "
             f"the same sizes instead"))
+
+
+shapes.rules = RULES
 
 
 class NotAbstract(Exception):

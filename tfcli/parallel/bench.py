@@ -305,17 +305,17 @@ def _gather_json(obj, device: str) -> list:
 
 def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
               lengths: list[int], batch: int, seed: int, json_out: bool,
-              csv_path=None, ignored: tuple[str, ...] = ()) -> None:
+              csv_path=None) -> None:
     """``tfcli bench --nproc N --strategy S [--backend B]``, or one of torchrun's ranks:
     validate, run, and (rank 0 only, under torchrun) print and write."""
     world = torchrun_world()
     if world is None:
         return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
-                          csv_path, world, ignored)
+                          csv_path, world)
     if os.environ["RANK"] != "0":
         try:  # every rank checks; rank 0 alone says why (torchrun's report follows anyway)
             _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
-                       csv_path, world, ignored)
+                       csv_path, world)
         except TfcliError as error:
             import signal
             import time
@@ -327,7 +327,7 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
             raise SystemExit(error.exit_code) from None
     else:
         _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
-                   csv_path, world, ignored)
+                   csv_path, world)
     from tfcli.parallel.launch import exit_rank
 
     exit_rank(0)  # the work is done and written: skip the teardown that can abort (see there)
@@ -335,7 +335,7 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
 
 def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: str | None,
                lengths: list[int], batch: int, seed: int, json_out: bool, csv_path,
-               world: int | None, ignored: tuple[str, ...] = ()) -> None:
+               world: int | None) -> None:
     if world is not None:  # torchrun started this process as one rank: run it here, not spawn
         if nproc is not None and nproc != world:
             raise TfcliError(f"--nproc {nproc} under torchrun with WORLD_SIZE={world}: leave "
@@ -347,10 +347,6 @@ def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend:
         raise TfcliError("--nproc runs training steps of the model: add --what model"
                          if world is None else f"under torchrun (WORLD_SIZE={world}), bench "
                          f"runs training steps of the model on each rank: add --what model")
-    if ignored:
-        raise TfcliError(f"{', '.join(ignored)}: not read by ranks, which run a fixed number "
-                         f"of training steps of the model; with --nproc give --seq-lens, "
-                         f"--batch-size, --seed, --strategy, --backend, --json, --csv")
     if cfg is None:
         raise TfcliError("--nproc needs tfcli's own configuration (--preset/--config/--set): "
                          "its layers are what DDP, FSDP and tensor parallelism are applied to")
