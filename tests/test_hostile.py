@@ -1,11 +1,16 @@
-"""Hostile-but-fair input (issue 11): every case runs `python -m tfcli` as a real subprocess under
-an address-space limit, so a regression fails here instead of reaching the OOM killer.
+"""Hostile-but-fair input (issue 11).
 
 Each case asserts the exit code (0 ok, 1 a run failed, 2 bad input, 130/143 interrupted), that
 stderr holds no traceback and, when the command refuses, exactly one line; and that the files
 already in its working directory are byte for byte as they were, with no stray temporary
-files. Most cases fail before torch is imported (~0.5 s); the others cost ~3-5 s each, so the
-cases run two at a time, all at once, before the first assertion.
+files.
+
+A case runs in this process (Typer's runner, in a directory of its own) unless the process is
+the point: a closed, full or broken stdout, a file-size limit, the interpreter's stream
+encoding, a user's model file (which may exit, print or change the directory), or a run that
+must be held to an address-space limit so that a regression fails here instead of reaching the
+OOM killer (``Case.process`` says which). Those run as `python -m tfcli`, two at a time, all at
+once, before the first assertion.
 """
 
 from __future__ import annotations
@@ -61,6 +66,22 @@ class Case:
     stdout_to: str = "pipe"  # pipe, closed, full, broken
     fsize: int | None = None  # RLIMIT_FSIZE: writes beyond it fail (EFBIG)
     stderr_lines: int | None = 1  # when it fails; None: bench prints a line per cell first
+    memory_limit: bool = False  # a regression could allocate more than the machine has
+
+    @property
+    def process(self) -> str | None:
+        """Why the case needs an interpreter of its own; None: it runs in this one."""
+        if self.stdout_to != "pipe":
+            return f"stdout {self.stdout_to}"
+        if self.fsize is not None:
+            return "a file-size limit"
+        if "PYTHONIOENCODING" in self.env:
+            return "the interpreter's stream encoding"
+        if any(name.endswith(".py") for name in self.files):
+            return "a user's model file"
+        if self.memory_limit:
+            return "an address-space limit"
+        return None
 
 
 def cfg(id_, value, message, code=2):
@@ -261,7 +282,8 @@ TORCH_CASES: list[Case] = [
     Case("masks-60000", ["masks", "--preset", "gpt2-small", "--set", "max_seq_len=60000",
                          "--tgt-lens", "60000"], 0, stdout="59999"),  # drawn elided
     Case("shapes-cpu-too-big", ["shapes", "--preset", "tiny", "--device", "cpu",
-                                "--batch-size", "10000000"], 2, "available on cpu (RLIMIT_AS)"),
+                                "--batch-size", "10000000"], 2, "available on cpu (RLIMIT_AS)",
+         memory_limit=True),
     Case("shapes-cpu-max-memory", ["shapes", "--preset", "tiny", "--device", "cpu",
                                    "--max-memory", "10KB"], 2, "9.77 KiB is available on cpu"),
     Case("shapes-meta-max-memory", ["shapes", "--preset", "tiny", "--max-memory", "1GB"], 2,
@@ -320,7 +342,8 @@ TORCH_CASES: list[Case] = [
     Case("params-build-on-cpu-too-big", ["params", "--build-on", "cpu", "--preset", "tiny",
                                          "--set", "positional=learned", "--set",
                                          "max_seq_len=100000000"], 2,
-         "params --build-on cpu needs an estimated 23.8 GiB (parameters and buffers)"),
+         "params --build-on cpu needs an estimated 23.8 GiB (parameters and buffers)",
+         memory_limit=True),
     Case("params-max-memory-on-meta", ["params", "--preset", "tiny", "--max-memory", "1GB"], 2,
          "--max-memory bounds --build-on cpu"),
     Case("params-columns-0", ["params", "--preset", "tiny", "--depth", "1"], 0,
@@ -353,7 +376,8 @@ TORCH_CASES: list[Case] = [
          "--tgt-len fixes the target length of an encoder-decoder"),
     Case("bench-cell-skipped", ["bench", "--seq-lens", "100000", "--kernels", "naive",
                                 "--pass", "fwd", "--min-time", "0.01", "--csv", "out.csv"], 0,
-         stdout="skipped: needs", changes=frozenset({"out.csv"}), stderr_lines=None),
+         stdout="skipped: needs", changes=frozenset({"out.csv"}), stderr_lines=None,
+         memory_limit=True),
     Case("bench-csv-write-fails", ["bench", "--seq-lens", "16,32,64", "--heads", "2",
                                    "--head-dim", "8", "--kernels", "sdpa", "--pass", "fwd",
                                    "--min-time", "0.005", "--max-time", "0.02",
@@ -423,10 +447,25 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
     return result, before, _snapshot(where)
 
 
+def _run_here(case: Case, where: Path, monkeypatch) -> tuple[int, str, str, dict, dict]:
+    """The case in this process, in ``where``, as the console script would run it."""
+    from typer.testing import CliRunner
+
+    from tfcli.cli import app
+
+    _prepare(case, where)
+    before = _snapshot(where)
+    monkeypatch.chdir(where)
+    env = {"COLUMNS": "100", "NO_COLOR": "1", "TFCLI_TRACEBACK": None, **case.env}
+    result = CliRunner().invoke(app, case.args, env=env)
+    return result.exit_code, result.stdout, result.stderr, before, _snapshot(where)
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case, run two at a time (the machine has two cores), before any assertion."""
-    cases = CASES + TORCH_CASES
+    """The cases that need a process of their own, two at a time (the machine has two cores),
+    before any assertion."""
+    cases = [c for c in CASES + TORCH_CASES if c.process]
     # The slow cases first, so the cheap ones fill the gaps at the end.
     order = sorted(cases, key=lambda c: c not in TORCH_CASES)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -440,12 +479,16 @@ def test_at_least_150_distinct_cases():
 
 
 @pytest.mark.parametrize("case", CASES + TORCH_CASES, ids=lambda c: c.id)
-def test_hostile(outcomes, case: Case):
-    result, before, after = outcomes[case.id]
-    stderr = result.stderr.decode(errors="replace")
-    stdout = result.stdout.decode(errors="replace") if result.stdout is not None else ""
+def test_hostile(request, tmp_path, monkeypatch, case: Case):
+    if case.process:
+        result, before, after = request.getfixturevalue("outcomes")[case.id]
+        code = result.returncode
+        stderr = result.stderr.decode(errors="replace")
+        stdout = result.stdout.decode(errors="replace") if result.stdout is not None else ""
+    else:
+        code, stdout, stderr, before, after = _run_here(case, tmp_path, monkeypatch)
     assert "Traceback" not in stderr and "internal error" not in stderr, stderr
-    assert result.returncode == case.code, (result.returncode, stderr[-2000:])
+    assert code == case.code, (code, stderr[-2000:])
     lines = stderr.strip().splitlines()
     if case.code != 0 and case.stderr_lines != 0:
         assert lines and lines[-1].startswith("tfcli: "), stderr
