@@ -97,15 +97,23 @@ def test_context_parallelism_is_refused_in_one_line(cli):
         result.stderr
 
 
-def test_a_killed_rank_is_named_and_no_rank_is_left():
+PLANTED = "open(__file__ + '.ran', 'w').close()\nraise SystemExit('planted module imported')\n"
+
+
+def test_a_killed_rank_is_named_and_no_rank_is_left(tmp_path, monkeypatch):
     """Rank 1 dies by SIGKILL (as by the OOM killer), writing no traceback, while rank 0 waits
-    in an all-reduce: rank 1 is named, and rank 0 is ended."""
+    in an all-reduce: rank 1 is named, and rank 0 is ended. Modules planted in the current
+    directory under the names the ranks import (issue 25) are never imported by a rank."""
     from tfcli.parallel.launch import RankError, run_ranks
     from tfcli.parallel.workers import fail_rank
 
+    for name in ("json", "torch", "tfcli", "faulthandler"):
+        (tmp_path / f"{name}.py").write_text(PLANTED)
+    monkeypatch.chdir(tmp_path)
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 of 2 failed: killed by signal 9") as error:
         run_ranks(fail_rank, 2, (1, False, True), timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ran") == []
     assert error.value.rank == 1 and error.value.exit_code == 1
     # start-up + a few seconds: noticed, not left to the 120 s deadline
     assert time.monotonic() - start < 60

@@ -122,7 +122,10 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
         procs: list[subprocess.Popen] = []
         try:
             for text in texts:
-                procs.append(subprocess.Popen([sys.executable, "-m", "tfcli.parallel.launch", text]))
+                # -P: the current directory is not put on the rank's import path, so a json.py
+                # or torch.py lying there is never imported (and run) by a rank
+                procs.append(subprocess.Popen([sys.executable, "-P", "-m",
+                                               "tfcli.parallel.launch", text]))
             deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
                 if any(p.returncode not in (None, 0) for p in procs):
