@@ -385,7 +385,8 @@ def test_hf_without_transformers_names_the_extra(cli, hf_configs, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     result = cli("params", "--model", f"hf:{hf_configs[1]['gpt2']}")
-    assert result.exit_code == 2 and "pip install 'tfcli[hf]'" in result.stderr
+    assert result.exit_code == 2 and "pip install 'transformers>=4.45' (the 'hf' extra; from " \
+        "tfcli's clone: pip install '.[hf]')" in result.stderr
 
 
 def test_user_forward_failing_prints_the_partial_trace(cli, tmp_path):

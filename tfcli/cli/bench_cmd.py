@@ -162,7 +162,8 @@ def bench(
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise TfcliError("--plot needs matplotlib: pip install 'tfcli[plot]'") from None
+            raise TfcliError("--plot needs matplotlib: pip install 'matplotlib>=3.7' (the "
+                             "'plot' extra; from tfcli's clone: pip install '.[plot]')") from None
     for name, value in (("--min-time", min_time), ("--max-time", max_time)):
         if not math.isfinite(value):
             raise TfcliError(f"{name} {value}: expected a finite number of seconds")
@@ -302,8 +303,9 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
             console.print(line)
         if profile is not None and failed is None:
             console.print(f"wrote profiler traces to {profile}/ — view them with TensorBoard's "
-                          f"PyTorch profiler plugin (pip install 'tfcli[profile]'; tensorboard "
-                          f"--logdir {profile} --host 127.0.0.1), or open a *.pt.trace.json in "
+                          f"PyTorch profiler plugin (pip install torch-tb-profiler tensorboard; "
+                          f"tensorboard --logdir {profile} --host 127.0.0.1), or open a "
+                          f"*.pt.trace.json in "
                           f"Perfetto or chrome://tracing")
     if failed is not None:
         raise TfcliError(f"{failed}; the sweep stopped there (the table holds what was measured)"

@@ -39,7 +39,8 @@ def save_png(grids, batch: int, path: Path) -> None:
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch
     except ImportError:
-        raise TfcliError("--png needs matplotlib: pip install 'tfcli[plot]'") from None
+        raise TfcliError("--png needs matplotlib: pip install 'matplotlib>=3.7' (the 'plot' "
+                         "extra; from tfcli's clone: pip install '.[plot]')") from None
     if path.suffix.lower() != ".png":
         raise TfcliError(f"--png {str(path)!r}: the file name must end in .png")
     if not path.parent.exists():

@@ -27,7 +27,9 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise TfcliError("--model hf:...: needs Transformers: pip install 'tfcli[hf]'") from None
+        raise TfcliError("--model hf:...: needs Transformers: pip install "
+                         "'transformers>=4.45' (the 'hf' extra; from tfcli's clone: pip install "
+                         "'.[hf]')") from None
     transformers.logging.set_verbosity_error()  # its advice on configs is not tfcli's output
     return transformers
 
