@@ -120,6 +120,19 @@ def test_a_killed_rank_is_named_and_no_rank_is_left(tmp_path, monkeypatch):
     assert _ranks_of(os.getpid()) == []
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the sockets from Linux's /proc")
+def test_ranks_listen_on_the_loopback_interface_only():
+    """Issue 25: the rendezvous store and the backend listen on 127.0.0.1, not on every
+    interface (torch's own TCPStore would bind the unspecified address)."""
+    from tfcli.parallel.launch import run_ranks
+    from tfcli.parallel.workers import listening_sockets
+
+    found = run_ranks(listening_sockets, 2, timeout=60)
+    assert found[0], found  # rank 0 holds the store at least
+    addresses = {a.rsplit(":", 1)[0] for rank in found for a in rank}
+    assert addresses <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, found
+
+
 def test_a_hung_rank_is_named_not_the_rank_waiting_for_it():
     """Rank 1 sleeps while rank 0 waits in an all-reduce: at the deadline their stacks say
     which one the other waits for. The deadline counts from when both have joined, so its 4 s

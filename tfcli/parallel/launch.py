@@ -1,8 +1,10 @@
 """Start N torch.distributed ranks on this machine and collect what each returns.
 
-Each rank is a fresh interpreter (``python -m tfcli.parallel.launch SPEC``; nothing inherited from a
-fork, no torch threads or locks), rendezvous on 127.0.0.1 at a free port, and is watched by the
-parent: the first rank that fails, or the deadline, ends every rank, and the error names the
+Each rank is a fresh interpreter (``python -P -m tfcli.parallel.launch SPEC``; nothing inherited
+from a fork, no torch threads or locks, nothing imported from the current directory). They meet
+on the loopback interface only: the rendezvous store listens on a socket the parent bound to
+127.0.0.1 and hands to rank 0 (torch's own store would listen on every interface), and gloo's
+and NCCL's sockets are pinned to ``lo`` (no host-name lookup). The parent watches them: the first rank that fails, or the deadline, ends every rank, and the error names the
 rank. Nothing outlives :func:`run_ranks`: a rank whose parent is gone (killed, so that its
 ``finally`` never ran) ends itself.
 
@@ -49,6 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback_listener() -> socket.socket:
+    """A socket listening on 127.0.0.1 at a free port, for rank 0's rendezvous store: bound
+    here, it cannot be taken between choosing the port and listening on it."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    return listener
+
+
 def _entry(spec: dict) -> int:
     """One rank: join the process group, run the function, write its result as JSON."""
     import datetime
@@ -57,6 +68,8 @@ def _entry(spec: dict) -> int:
     rank, world, out = spec["rank"], spec["world"], Path(spec["out"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if sys.platform == "linux":  # the backends' own sockets on loopback, not a resolved host name
+        os.environ.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     _end_with_parent(spec["parent"])
     import faulthandler
     import signal
@@ -76,7 +89,10 @@ def _entry(spec: dict) -> int:
         torch.set_num_threads(1)  # N ranks share the machine's cores
         # The launcher's deadline ends a late run and names the late rank; the process group's
         # own timeout (which would blame the rank left waiting) is only a backstop behind it.
-        dist.init_process_group(spec["backend"], rank=rank, world_size=world,
+        wait = datetime.timedelta(seconds=max(spec["timeout"], spec["startup"]) + 60)
+        store = dist.TCPStore("127.0.0.1", spec["port"], world, rank == 0, timeout=wait,
+                              master_listen_fd=spec["listen_fd"] if rank == 0 else None)
+        dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=spec["timeout"] + 60))
         (out / f"rank{rank}.ready").touch()  # the run's deadline starts once every rank is here
     except BaseException:
@@ -113,19 +129,22 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
     ``timeout`` counts from the moment every rank has joined the process group, so that a
     machine slow to start N interpreters (each imports torch) does not eat into it; joining
     has ``startup`` seconds of its own."""
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:
+    listener = _loopback_listener()
+    port = listener.getsockname()[1]
+    with listener, tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:
         specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
-                  "world": world, "port": port, "backend": backend, "timeout": timeout,
-                  "out": out, "parent": os.getpid()} for rank in range(world)]
+                  "world": world, "port": port, "listen_fd": listener.fileno(),
+                  "backend": backend, "timeout": timeout, "startup": startup, "out": out,
+                  "parent": os.getpid()} for rank in range(world)]
         texts = [json.dumps(s) for s in specs]  # a TypeError here: args JSON cannot hold
         procs: list[subprocess.Popen] = []
         try:
-            for text in texts:
+            for rank, text in enumerate(texts):
                 # -P: the current directory is not put on the rank's import path, so a json.py
                 # or torch.py lying there is never imported (and run) by a rank
-                procs.append(subprocess.Popen([sys.executable, "-P", "-m",
-                                               "tfcli.parallel.launch", text]))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-P", "-m", "tfcli.parallel.launch", text],
+                    pass_fds=(listener.fileno(),) if rank == 0 else ()))
             deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
                 if any(p.returncode not in (None, 0) for p in procs):

@@ -152,3 +152,36 @@ def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False,
         raise RuntimeError(f"rank {rank} failed on purpose")
     dist.all_reduce(torch.ones(1))
     return rank
+
+
+def listening_sockets(rank: int, world: int) -> list[str]:
+    """For tests of the launcher: the local addresses ("ip:port") of the TCP sockets this rank
+    listens on once the process group is up (Linux /proc), rank 0's rendezvous store among
+    them."""
+    import ipaddress
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank has joined: the store and the backend's sockets exist
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, and this process's
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append(f"{ipaddress.ip_address(words)}:{int(port, 16)}")
+    dist.barrier()
+    return found
