@@ -497,3 +497,45 @@ def load_module(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every name lookup or connection outside the loopback interface is recorded and fails."""
+    import socket
+
+    tried: list = []
+    loopback = ("127.0.0.1", "::1", "localhost")
+    lookup, connect = socket.getaddrinfo, socket.socket.connect
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in loopback:
+            tried.append(host)
+            raise socket.gaierror(socket.EAI_NONAME, "blocked by the test: no network")
+        return lookup(host, *args, **kwargs)
+
+    def guarded_connect(self, address):
+        if isinstance(address, tuple) and address[0] not in loopback:
+            tried.append(address)
+            raise OSError("blocked by the test: no network")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+    return tried
+
+
+def test_a_config_naming_a_hub_backbone_is_refused_without_touching_the_network(
+        cli, tmp_path, no_network):
+    """Issue 25: DETR naming a pretrained backbone by Hub id made Transformers look it up
+    (DNS, then ConnectError). hf: runs with the Hub offline and pretrained backbones off, and
+    says what the config wanted."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "detr", "use_timm_backbone": False,
+                                  "backbone": "microsoft/resnet-50",
+                                  "use_pretrained_backbone": True, "num_queries": 10}))
+    result = cli("params", "--model", f"hf:{config}", "--depth", "1")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "takes its backbone ('microsoft/resnet-50') from the Hugging Face Hub" in result.stderr
+    assert no_network == []

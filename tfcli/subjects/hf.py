@@ -24,6 +24,18 @@ MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absur
 
 
 def _transformers():
+    """Transformers, with the Hugging Face Hub offline: nothing tfcli asks of it may reach the
+    network (a config can name a backbone to fetch)."""
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = True  # in case it was imported before
+    except ImportError:
+        pass
     try:
         import transformers
     except ImportError:
@@ -78,11 +90,19 @@ class HFSubject(Subject):
             raise TfcliError(f"--model hf:{path_text}: a Transformers config.json names its "
                              f"'model_type' (e.g. \"gpt2\", \"llama\")")
         _check_model_type(tf, data["model_type"], path_text)
+        if data.get("use_pretrained_backbone"):  # weights from the Hub: random ones instead
+            data["use_pretrained_backbone"] = False
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.config = tf.AutoConfig.for_model(**data)
         except Exception as error:  # its validators put the reason on the following lines
+            backbone = data.get("backbone")
+            if isinstance(backbone, str) and not data.get("backbone_config"):
+                raise TfcliError(f"--model hf:{path_text}: the config takes its backbone "
+                                 f"({backbone[:100]!r}) from the Hugging Face Hub, and tfcli "
+                                 f"downloads nothing; put the backbone's configuration in "
+                                 f"backbone_config") from None
             raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
                              f"{error_text(error, whole=True)}") from None
         self.config._attn_implementation = "sdpa"
