@@ -213,6 +213,8 @@ def test_table_through_the_cli(cli):
     (["--min-time", "2", "--max-time", "1"], "--max-time 1.0 is below --min-time 2.0"),
     (["--tokens", "8"], "--tokens 8 is below the longest length 16"),
     (["--tgt-len", "8"], "--tgt-len applies to --what model"),
+    (["--min-time", "1e308"], "Invalid value for '--min-time'"),  # issue 25: every cell erred
+    (["--max-time", "1e308"], "Invalid value for '--max-time'"),
     (["--what", "model", "--heads", "4"], "apply to --what attention"),
     (["--what", "model", "--seq-lens", "128"], "128 exceeds max_seq_len=64"),
     (["--what", "model", "--kernels", "sdpa-flash"], "choose from naive, sdpa"),

@@ -211,6 +211,15 @@ def test_bad_options(cli, args, message):
     (["--inference", "--seq-len", "16", "--mixed-precision", "bf16"],
      "--mixed-precision applies to training memory"),
     (["--seq-len", str(2**31)], "--seq-len 2147483648: at most 2,147,483,647"),
+    # issue 25: contradictions that were accepted, or ended in an internal error
+    (["--seq-len", "16", "--dim", "T=8"], "--seq-len 16 and --dim T=8: both set T; give one"),
+    (["--mixed-precision", "bf16", "--dtype", "fp16", "--seq-len", "16"],
+     "--mixed-precision bf16 keeps fp32 weights and casts activations (torch.autocast); "
+     "--dtype fp16 makes the weights fp16: give one of the two"),
+    (["--dtype", "int8", "--mixed-precision", "fp16", "--seq-len", "16"],
+     "--dtype int8 makes the weights int8"),
+    (["--parallel", ""], "--parallel '': give key=value items"),
+    (["--parallel", " , "], "--parallel ' , ': give key=value items"),
     (["--set", "positional=rope", "--parallel", "dp=2", "--seq-len", "100"],
      "--seq-len 100 exceeds max_seq_len=64; raise it with --set max_seq_len=100"),
     (["--set", "positional=none", "--parallel", "dp=2", "--seq-len", str(2**21)],

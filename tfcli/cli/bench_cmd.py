@@ -122,8 +122,10 @@ def bench(
         help="CPU threads for every timing, at most the CPUs this process may use (default: "
              "torch's, i.e. all cores).")] = None,
     min_time: Annotated[float, typer.Option(
-        min=0.0, help="Seconds of measurement per cell, at least (and 3 samples).")] = 0.5,
-    max_time: Annotated[float, typer.Option(min=0.0, help="Seconds per cell, at most.")] = 5.0,
+        min=0.0, max=3600.0,
+        help="Seconds of measurement per cell, at least (and 3 samples).")] = 0.5,
+    max_time: Annotated[float, typer.Option(min=0.0, max=3600.0,
+                                            help="Seconds per cell, at most.")] = 5.0,
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure this machine's matmul peak per device and dtype, for % "
                             "of peak.")] = False,

@@ -93,6 +93,10 @@ TRAINING = Needs(lambda v: not v.inference, "not with --inference",
 
 RULES = Rules(
     Rule(("depth", "expand"), TABLE_ONLY),
+    Rule("mixed_precision", Needs(
+        lambda v: v.dtype is DType.fp32, "only with --dtype fp32",
+        "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
+        "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
     Rule("inference", OWN),
     Rule("parallel", OWN),
     Rule("device", STEP),
@@ -218,6 +222,7 @@ def params(
                          f"back to math); size a GPU run with --device cuda")
     if seq_len is not None and given("batch_size"):
         refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
+    _refuse_lengths_twice(seq_len, dim)
     if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
@@ -279,6 +284,21 @@ def params(
 
 
 params.rules = RULES
+
+
+def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
+    """--seq-len sets every length letter (S, T, L): a --dim for one of them would silently
+    win over it."""
+    from tfcli.errors import TfcliError
+    from tfcli.subjects.base import parse_dim
+
+    if seq_len is None:
+        return
+    for text in dims or []:
+        letter = parse_dim(text)[0]
+        if letter in ("S", "T", "L"):
+            raise TfcliError(f"--seq-len {seq_len} and --dim {text}: both set {letter}; give "
+                             f"one")
 
 
 def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:

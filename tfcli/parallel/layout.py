@@ -48,6 +48,9 @@ class Parallel:
 def parse_parallel(text: str) -> Parallel:
     """``dp=8,zero=3,tp=2`` (any subset of dp, zero, tp, pp, cp, sp; the rest 1, zero 0, sp 1)."""
     values: dict[str, int] = {}
+    if not text.replace(",", "").strip():
+        raise TfcliError(f"--parallel {text!r}: give key=value items, e.g. --parallel "
+                         f"dp=8,zero=3,tp=2")
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue

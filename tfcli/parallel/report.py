@@ -18,7 +18,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              fit_what: str | None = None) -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom; with
     ``fit_what`` the largest batch or length that fits and the plan there."""
-    par = parse_parallel(parallel) if parallel else Parallel()
+    par = parse_parallel(parallel) if parallel is not None else Parallel()
     if fit_what is not None and fit_what not in FIT:
         raise TfcliError(f"--fit {fit_what!r}: allowed: {', '.join(FIT)}")
     if fit_what is not None and device_memory is None:

@@ -13,6 +13,9 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
                     inputs: list[str] | None = None):
     """The Subject the options name: ``--model`` (a file/module callable or ``hf:PATH``) or
     tfcli's own model from ``--preset/--config/--set``; never both."""
+    if hf_class is not None and not hf_class.strip():
+        raise _error(f"--hf-class {hf_class!r}: give a Transformers model class name, e.g. "
+                     f"LlamaForCausalLM")
     if model is None:
         for option, value in (("--model-arg", model_args), ("--hf-class", hf_class),
                               ("--input", inputs)):
