@@ -551,3 +551,65 @@ def test_pad_id_is_bounded_by_the_token_table(cli, bert_t5):
     assert cli(*base, "--pad-id", "5").exit_code == 0
     refused = cli(*base, "--pad-id", "60")
     assert refused.exit_code == 2 and "token ids of input_ids are 0..59" in refused.stderr
+
+
+HOSTILE_OUTPUTS = """
+import torch
+from torch import nn
+
+
+class Empty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.p(x)[:, :0]
+
+
+class Infinite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.p(x).cumsum(1) * float("inf")
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.p(x).cumsum(1)
+"""
+
+
+@pytest.mark.parametrize("name,code,lines", [
+    # an empty output ended in an internal error (amax over nothing): nothing can be judged
+    ("Empty", 3, ["✓ no NaN", "– causality of x: not checked: the output [2, 0, 4] has no axis"]),
+    # inf - inf is NaN: it read as a leak; now the infinity itself is the failure
+    ("Infinite", 1, ["✗ no infinity: 72 of 72 output values are ±inf",
+                     "✓ causality of x: at each of 8 split points"]),
+    # a model writing into its input: every run gets fresh inputs, so it is still judged
+    ("InPlace", 3, ["✓ causality of x: at each of 8 split points"]),
+])
+def test_outputs_a_check_cannot_read_get_a_true_verdict(cli, tmp_path, name, code, lines):
+    """Issue 25: hostile outputs get a verdict, never an internal error or a false leak."""
+    (tmp_path / "m.py").write_text(HOSTILE_OUTPUTS)
+    result = cli("masks", "--model", f"{tmp_path}/m.py:{name}", "--input", "x=float32[B,L,4]",
+                 "--causal", "x", "--check")
+    assert result.exit_code == code, result.stdout + result.stderr
+    for line in lines:
+        assert line in result.stdout, result.stdout
+
+
+def test_png_for_a_model_is_refused_not_silently_skipped(cli, tmp_path):
+    """Issue 25: --png with --model exited 0 and wrote nothing."""
+    result = cli("masks", "--model", "torch.nn:Linear", "--model-arg", "in_features=2",
+                 "--model-arg", "out_features=2", "--png", str(tmp_path / "m.png"))
+    assert result.exit_code == 2 and result.stderr.startswith("tfcli: error: --png draws the "
+                                                              "grids of tfcli's own model")
+    assert list(tmp_path.iterdir()) == []

@@ -64,6 +64,10 @@ RULES = Rules(
         lambda v: not (v.json_out and v.model_ref is not None), "not with --json for --model",
         "{option}: shape the drawn grids; --json for --model holds each captured mask whole, "
         "as booleans")),
+    Rule("png", Needs(
+        *OWN_MODEL, "draws the grids of tfcli's own model; for --model the masks each "
+                    "attention call applied are shown in the table and --json, not drawn into a "
+                    "PNG yet")),
     Rule("pad_id", Needs(
         lambda v: v.model_ref is not None or v.src_ids is not None or v.tgt_ids is not None,
         "only with --src-ids/--tgt-ids or --model",

@@ -5,7 +5,8 @@ subject (tfcli's own decoder is causal, its padding is ``src_valid``/``tgt_valid
 *argument* is built from those lengths and that causality, in the convention settled by
 :mod:`tfcli.inspection.maskargs` (a probe decides where nothing else does). Then:
 
-- **no NaN** in the output;
+- **no NaN** in the output (and, listed only when it fails, **no infinity**: a change at an
+  infinite output cannot be seen);
 - **causality of NAME at every position**: for each split t, changing NAME's real tokens after t
   leaves every real output at or before t unchanged;
 - **padding of NAME**: changing the padded content (where a mask argument tells the model where
@@ -179,6 +180,8 @@ def tolerance(output: Tensor) -> Tensor:
     last axis of a [B, L, C] output; the whole output otherwise), at least TOLERANCE. Per
     channel, so one huge channel (a logit forbidden with -1e9) loosens no other."""
     x = output.detach().float().nan_to_num(0.0, posinf=0.0, neginf=0.0).abs()
+    if not x.numel():  # an empty output: nothing can move
+        return torch.full_like(x, TOLERANCE)
     per = x.amax(dim=tuple(range(x.dim() - 1)), keepdim=True) if x.dim() >= 3 else x.amax()
     return (per.clamp(min=1.0) * TOLERANCE).expand(x.shape)
 
@@ -194,9 +197,11 @@ class Move:
 
 
 def _move(a: Tensor, b: Tensor, where: Tensor, tol: Tensor) -> Move:
-    """The move from ``b`` to ``a`` at ``where`` (NaN on one side only is a move too)."""
+    """The move from ``b`` to ``a`` at ``where``: equal values (the same infinity too) did not
+    move; NaN on one side only is a move."""
     diff = (a.float() - b.float()).abs()
-    diff = torch.where(a.isnan() & b.isnan(), 0.0, diff.nan_to_num(float("inf")))[where]
+    same = (a == b) | (a.isnan() & b.isnan())  # inf - inf is NaN, but inf did not move
+    diff = torch.where(same, 0.0, diff.nan_to_num(float("inf")))[where]
     if not diff.numel():
         return Move()
     return Move(float(diff.amax()), bool((diff > tol[where]).any()))
@@ -408,6 +413,12 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
         "no NaN", "failed" if bool(nan.any()) else "passed",
         f"{int(nan.sum())} of {nan.numel()} output values are NaN" if bool(nan.any())
         else "every output is a number"))
+    infinite = output.isinf()
+    if bool(infinite.any()):  # listed only when it fails: a model's outputs are finite
+        verdict.checks.append(Check(
+            "no infinity", "failed",
+            f"{int(infinite.sum())} of {infinite.numel()} output values are ±inf; a change "
+            f"there cannot be seen, so no check can vouch for those positions"))
     if not plan.causal and not any(not bool(v.all()) for v in plan.valid.values()):
         verdict.checks.append(Check("what to check", "not checked", (
             "nothing was asserted: name a causal input with --causal NAME, or padding with "
