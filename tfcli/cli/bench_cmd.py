@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -166,9 +165,6 @@ def bench(
         except ImportError:
             raise TfcliError("--plot needs matplotlib: pip install 'matplotlib>=3.7' (the "
                              "'plot' extra; from tfcli's clone: pip install '.[plot]')") from None
-    for name, value in (("--min-time", min_time), ("--max-time", max_time)):
-        if not math.isfinite(value):
-            raise TfcliError(f"{name} {value}: expected a finite number of seconds")
     if threads is not None and threads > _cpus():
         raise TfcliError(f"--threads {threads}: this process may use {_cpus()} CPUs; choose "
                          f"1..{_cpus()}")

@@ -41,7 +41,13 @@ DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int"
 def model_prints_to_stderr():
     """stdout holds tfcli's answer (tables, JSON): what a model prints while it is imported,
     built or run goes to stderr instead — print() and sys.stdout, and also sys.__stdout__ and
-    file descriptor 1, which the model may write to directly."""
+    file descriptor 1, which the model may write to directly. A working directory the model
+    changes is changed back after it, so tfcli's relative output paths (--csv, --png) stay
+    the user's."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed under us: nothing to return to
+        cwd = None
     saved = None
     try:
         if sys.__stdout__ is not None:
@@ -64,6 +70,15 @@ def model_prints_to_stderr():
                 pass
             os.dup2(saved, 1)
             os.close(saved)
+        if cwd is not None:
+            try:
+                if os.getcwd() != cwd:
+                    os.chdir(cwd)
+            except OSError:  # the model removed the directory it moved to: return from there
+                try:
+                    os.chdir(cwd)
+                except OSError:  # ours is gone too: relative outputs fail and say where
+                    pass
 
 
 @dataclass
