@@ -233,6 +233,13 @@ def test_combinations_that_would_do_nothing_are_refused(cli, args, message):
     assert result.stdout == "" and result.stderr.count("\n") == 1
 
 
+def test_mixed_precision_none_goes_with_any_dtype(cli):
+    """No autocast: nothing contradicts half-precision weights."""
+    result = cli("params", "--preset", "tiny", "--dtype", "fp16", "--mixed-precision", "none",
+                 "--seq-len", "16", "--depth", "0")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_the_max_seq_len_hint_works_when_followed(cli):
     refused = cli("params", "--preset", "tiny", "--seq-len", "100", "--depth", "0")
     assert "raise it with --set max_seq_len=100" in refused.stderr

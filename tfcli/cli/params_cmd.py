@@ -94,7 +94,8 @@ TRAINING = Needs(lambda v: not v.inference, "not with --inference",
 RULES = Rules(
     Rule(("depth", "expand"), TABLE_ONLY),
     Rule("mixed_precision", Needs(
-        lambda v: v.dtype is DType.fp32, "only with --dtype fp32",
+        lambda v: v.mixed_precision is Mixed.none or v.dtype is DType.fp32,
+        "only with --dtype fp32",
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
     Rule("inference", OWN),
