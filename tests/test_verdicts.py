@@ -589,7 +589,8 @@ class InPlace(nn.Module):
 
 @pytest.mark.parametrize("name,code,lines", [
     # an empty output ended in an internal error (amax over nothing): nothing can be judged
-    ("Empty", 3, ["✓ no NaN", "– causality of x: not checked: the output [2, 0, 4] has no axis"]),
+    ("Empty", 3, ["✓ no NaN",
+                  "– causality of x: not checked: the output [2, 0, 4] has no axis"]),
     # inf - inf is NaN: it read as a leak; now the infinity itself is the failure
     ("Infinite", 1, ["✗ no infinity: 72 of 72 output values are ±inf",
                      "✓ causality of x: at each of 8 split points"]),
