@@ -156,7 +156,7 @@ def bench(
     """Time, peak memory, FLOP/s and scaling exponents across sequence lengths."""
     if what not in ("attention", "model"):
         raise TfcliError(f"--what {what!r}: choose attention or model")
-    RULES.apply(locals())
+    v = RULES.apply(locals())
     check_outputs(Output(csv_path, "--csv", ".csv"), Output(plot, "--plot", ".png"),
                   Output(profile, "--profile", directory=True))
     if plot is not None:
@@ -177,10 +177,9 @@ def bench(
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     if max(lengths) > BIG:
         raise TfcliError(f"--seq-lens: {max(lengths)} is beyond {BIG:,}")
-    from tfcli.parallel.bench import bench_cli, torchrun_world  # issue 14: torch.distributed ranks
+    if v.ranks:  # issue 14: torch.distributed ranks
+        from tfcli.parallel.bench import bench_cli
 
-    if nproc is not None or strategy is not None or backend is not None or \
-            torchrun_world() is not None:
         return bench_cli(cfg, what, nproc, strategy, backend, lengths, batch_size, seed, json_out,
                          csv_path)
     passes = _choices(pass_, "--pass", ["fwd", "bwd", "fwdbwd"])

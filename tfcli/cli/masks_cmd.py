@@ -13,7 +13,7 @@ from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
                                sizes)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules
+from tfcli.cli.rules import Needs, Rule, Rules, any_model, own_model
 from tfcli.errors import TfcliError
 from tfcli.guard import guard_run
 
@@ -39,16 +39,14 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
     return rows
 
 
-MODEL = (lambda v: v.model_ref is not None, "only with --model")
-OWN_MODEL = (lambda v: v.model_ref is None, "not with --model")
 RULES = Rules(
     Rule("batch_index", Needs(
         lambda v: not v.json_out or v.png is not None, "not with --json alone",
         "{option} {value} picks the sequence drawn; --json holds every sequence (use it with "
         "the table or --png)")),
-    Rule(("src_lens", "tgt_lens", "src_ids", "tgt_ids"), Needs(
-        *OWN_MODEL, "{option} describe tfcli's own model's batch; for --model use --lengths "
-                    "NAME=N,N and --pad-id")),
+    Rule(("src_lens", "tgt_lens", "src_ids", "tgt_ids"), own_model(
+        "{option} describe tfcli's own model's batch; for --model use --lengths "
+        "NAME=N,N and --pad-id")),
     Rule("src_ids", Needs(lambda v: not v.typed("src_lens"), "not with --src-lens",
                           "--src-lens and {option}: give one or the other")),
     Rule("tgt_ids", Needs(lambda v: not v.typed("tgt_lens"), "not with --tgt-lens",
@@ -57,17 +55,17 @@ RULES = Rules(
         lambda v: v.check or v.model_ref is None, "only with --check",
         "names what --check verifies; add --check (without it the masks the model applied are "
         "drawn as they are)")),
-    Rule(("causal", "lengths", "mask", "window", "dim"), Needs(
-        *MODEL, "{option}: only for --model; tfcli's own model takes --src-lens/--tgt-lens or "
-                "--src-ids/--tgt-ids (and --set attention_window=W)")),
+    Rule(("causal", "lengths", "mask", "window", "dim"), any_model(
+        "{option}: only for --model; tfcli's own model takes --src-lens/--tgt-lens or "
+        "--src-ids/--tgt-ids (and --set attention_window=W)")),
     Rule(("convention", "max_grid"), Needs(
         lambda v: not (v.json_out and v.model_ref is not None), "not with --json for --model",
         "{option}: shape the drawn grids; --json for --model holds each captured mask whole, "
         "as booleans")),
-    Rule("png", Needs(
-        *OWN_MODEL, "draws the grids of tfcli's own model; for --model the masks each "
-                    "attention call applied are shown in the table and --json, not drawn into a "
-                    "PNG yet")),
+    Rule("png", own_model(
+        "draws the grids of tfcli's own model; for --model the masks each "
+        "attention call applied are shown in the table and --json, not drawn into a "
+        "PNG yet")),
     Rule("pad_id", Needs(
         lambda v: v.model_ref is not None or v.src_ids is not None or v.tgt_ids is not None,
         "only with --src-ids/--tgt-ids or --model",

@@ -11,7 +11,7 @@ from tfcli.cli.options import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules
+from tfcli.cli.rules import Needs, Rule, Rules, own_model
 from tfcli.guard import guard_build
 
 
@@ -71,9 +71,8 @@ def _per_rank(v) -> str | None:
                  if value is not None), None)
 
 
-OWN = Needs(lambda v: v.model_ref is None, "not with --model",
-            "{option} needs tfcli's own configuration (--preset/--config/--set); for --model it "
-            "is not computed yet")
+OWN = own_model("{option} needs tfcli's own configuration (--preset/--config/--set); for "
+                "--model it is not computed yet")
 STEP = Needs(lambda v: v.seq_len is not None, "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
 SIZED = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",

@@ -52,6 +52,16 @@ class Needs:
     refusal: str
 
 
+def own_model(refusal: str) -> Needs:
+    """Means something for tfcli's own configuration only, not with --model."""
+    return Needs(lambda v: v.model_ref is None, "not with --model", refusal)
+
+
+def any_model(refusal: str) -> Needs:
+    """Means something with --model only."""
+    return Needs(lambda v: v.model_ref is not None, "only with --model", refusal)
+
+
 @dataclass(frozen=True)
 class Rule:
     """The conditions of one option (a parameter name), or of several refused together."""

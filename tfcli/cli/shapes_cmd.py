@@ -12,7 +12,7 @@ from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
                                max_seq_len_hint, refuse_unused_sizes,
                                resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules
+from tfcli.cli.rules import Needs, Rule, Rules, own_model
 from tfcli.errors import TfcliError
 from tfcli.guard import guard_run
 
@@ -34,18 +34,17 @@ def _check_device(device: str) -> None:
                          "is False)")
 
 
-OWN_MODEL = (lambda v: v.model_ref is None, "not with --model")
 RULES = Rules(
     Rule(("depth", "expand"), Needs(
         lambda v: not v.json_out, "not with --json",
         "{option}: shape the table; --json holds every module whole (drop {it}, or drop "
         "--json)")),
-    Rule("causal_flops", Needs(
-        *OWN_MODEL, "halves the attention tfcli's own configuration makes causal; for --model "
-                    "the FLOPs are counted as the model runs them")),
-    Rule(("src_lens", "tgt_lens"), Needs(
-        *OWN_MODEL, "{option} pad tfcli's own model; for --model, see `tfcli masks "
-                    "--lengths`")),
+    Rule("causal_flops", own_model(
+        "halves the attention tfcli's own configuration makes causal; for --model "
+        "the FLOPs are counted as the model runs them")),
+    Rule(("src_lens", "tgt_lens"), own_model(
+        "{option} pad tfcli's own model; for --model, see `tfcli masks "
+        "--lengths`")),
     Rule("max_memory", Needs(
         lambda v: v.device is not Device.meta, "only with --device cpu/cuda/mps",
         "bounds a real run; --device meta allocates nothing")),
