@@ -65,3 +65,33 @@ def ctrl_c_at_block(monkeypatch):
         monkeypatch.setattr(CellTimer, "block", block)
 
     return arm
+
+
+# --- checks that run in processes of their own (tests/background.py) ----------------------------
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "quiet: runs before the background jobs start (it needs idle CPUs)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that need a quiet machine run first, before any background job starts."""
+    items.sort(key=lambda item: item.get_closest_marker("quiet") is None)  # stable
+
+
+def pytest_runtest_setup(item):
+    """At the first test that does not need a quiet machine: start the background jobs that
+    the selected tests use."""
+    import background
+
+    session = item.session
+    if item.get_closest_marker("quiet") is None and not getattr(session, "_jobs_started", False):
+        session._jobs_started = True
+        background.start(name for each in session.items for name in each.fixturenames)
+
+
+def pytest_sessionfinish(session):
+    import background
+
+    background.stop()

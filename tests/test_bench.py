@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import background
 from tfcli.bench import cases
 from tfcli.bench.cases import prepare_attention
 from tfcli.bench.fit import loglog_slope, upper_half
@@ -337,30 +338,37 @@ print(json.dumps({"flagged": flagged(sweep), "machine": sweep.machine,
 """
 
 
-def test_a_sweep_beside_busy_processes_is_flagged():
+@pytest.fixture(scope="module")
+def busy_sweep():
+    return background.result("busy_sweep")
+
+
+@background.job("busy_sweep")
+def _busy_sweep() -> dict | None:
     """A sweep and three spinning processes share one CPU (each pinned with sched_setaffinity),
     so the one-thread sweep gets about a quarter of it whatever the machine's CPU count, quota
     or other load (on CI, spinners spread over all CPUs once left /proc/stat's busy share near
     its threshold and the sweep unflagged). The sweep runs in its own process, whose threads
     all inherit the pinning. Each spinner stops itself after 60 s and is killed when the sweep
-    ends."""
+    ends. None where sched_setaffinity is missing."""
     import os
     import subprocess
     import sys
 
     if not hasattr(os, "sched_setaffinity"):
-        pytest.skip("needs sched_setaffinity (Linux) to share one CPU with the spinners")
+        return None
     cpu = min(os.sched_getaffinity(0))
     spin = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
             "print('spinning', flush=True)\nend = time.time() + 60\n"
             "while time.time() < end: pass")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sweep = subprocess.Popen([sys.executable, "-c", BUSY_SWEEP, str(cpu)], cwd=root, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sweep = background.popen([sys.executable, "-c", BUSY_SWEEP, str(cpu)], cwd=root, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
     spinners = []
     try:
         assert sweep.stdout.readline() == "ready\n", sweep.communicate(timeout=60)[1][-2000:]
-        spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+        spinners = [background.popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
                     for _ in range(3)]
         for p in spinners:  # start the sweep only once every spinner spins
             p.stdout.readline()
@@ -370,7 +378,13 @@ def test_a_sweep_beside_busy_processes_is_flagged():
             p.kill()
             p.wait()
     assert sweep.returncode == 0, err[-2000:]
-    result = json.loads(out)
+    return json.loads(out)
+
+
+def test_a_sweep_beside_busy_processes_is_flagged(busy_sweep):
+    result = busy_sweep
+    if result is None:
+        pytest.skip("needs sched_setaffinity (Linux) to share one CPU with the spinners")
     assert result["machine"]["start"]["busy_cpus"] >= 0.9  # the state records the spinners
     assert result["flagged"], result["cells"]
     waits = [wait for wait, _ in result["cells"]]
@@ -379,6 +393,7 @@ def test_a_sweep_beside_busy_processes_is_flagged():
         assert all("waited for a CPU" in why for _, why in result["cells"])
 
 
+@pytest.mark.quiet
 def test_a_sweep_on_a_quiet_machine_is_not_flagged():
     """Only meaningful where the machine is quiet: the project's machines are shared, so this
     checks the verdict only when /proc/stat shows less than half a CPU busy beside the test."""

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+import background
 from tfcli.parallel.plan import Parallel, parse_parallel, plan, stage_params
 from tfcli.errors import TfcliError
 from tfcli.model.presets import get_preset
@@ -27,39 +28,14 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (12 * GIB, 12 * GIB))
 
 
-_RUNNING: dict[str, subprocess.Popen] = {}
-
-
-def start_python(name: str, code: str) -> None:
-    """Start ``code`` in a fresh interpreter (address space limited) unless it runs already:
-    the two slow checks start together, so their start-ups overlap."""
-    if name not in _RUNNING:
-        _RUNNING[name] = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, preexec_fn=_limited)
-
-
-def result_of(name: str, timeout: float) -> dict:
-    """The one JSON line ``name`` printed; killed (and failed) past ``timeout`` seconds."""
-    proc = _RUNNING[name]
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail(f"{name} did not finish within {timeout} s")
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_leftovers():
-    yield
-    for proc in _RUNNING.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    _RUNNING.clear()
+def run_python(code: str, timeout: float) -> dict:
+    """The one JSON line ``code`` printed, run in a fresh interpreter (address space limited);
+    killed, and the job failed, past ``timeout`` seconds."""
+    result = background.run([sys.executable, "-c", textwrap.dedent(code)], timeout,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_limited)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _states(p) -> int:
@@ -196,13 +172,17 @@ def _cfg_dicts() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def tracked():
+    return background.result("tracked")
+
+
+@background.job("tracked")
+def _tracked() -> dict:
     """In one fresh process, on torch.distributed's fake process group: FSDPMemTracker's
     figures for both configurations at N = 1, 2, 8, MemTracker's activations per layer under
     torch's Colwise/RowwiseParallel at t = 2, 4, and the local parameter counts of those shards
     at t = 2."""
-    _start_gloo()
     tp_cfg = _cfg("llama").replace(n_decoder_layers=2).to_dict()
-    start_python("tracked", f"""
+    return run_python(f"""
         import json
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -231,8 +211,7 @@ def tracked():
             if kind:
                 local[kind] += (p.to_local() if hasattr(p, "to_local") else p).numel()
         print(json.dumps(out))
-        """)
-    return result_of("tracked", timeout=240)
+        """, timeout=240)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -321,10 +300,15 @@ def test_tp_activations_per_layer_agree_with_mem_tracker(tracked, name, t):
 
 @pytest.fixture(scope="module")
 def zero1():
+    return background.result("zero1")
+
+
+@background.job("zero1")
+def _zero1() -> dict:
     """torch's ZeRO-1, ``ZeroRedundancyOptimizer`` over Adam, on the fake process group as
     each rank r of N in turn (small real models): the bytes of optimizer state (not counting
     Adam's step counters) each rank creates."""
-    start_python("zero1", f"""
+    return run_python(f"""
         import json, torch
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -350,8 +334,7 @@ def zero1():
                     "per_rank": per_rank,
                     "largest": max(p.numel() for p in model.parameters())}}
         print(json.dumps(out))
-        """)
-    return result_of("zero1", timeout=240)
+        """, timeout=240)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -373,11 +356,16 @@ def test_zero1_optimizer_state_agrees_with_zero_redundancy_optimizer(zero1, name
 
 @pytest.fixture(scope="module")
 def ddp():
+    return background.result("ddp")
+
+
+@background.job("ddp")
+def _ddp() -> dict:
     """DistributedDataParallel on a real one-rank gloo group (the fake process group cannot run
     DDP's backward: its all-reduce future holds no tensor), once with the default buckets and
     once with gradient_as_bucket_view=True: torch's own bucket sizes (its logging data) and how
     many distinct storages the gradients live in after one backward."""
-    start_python("ddp", f"""
+    return run_python(f"""
         import json, os
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -405,8 +393,7 @@ def ddp():
         dist.destroy_process_group()
         print(json.dumps(out), flush=True)
         os._exit(0)  # past gloo's native teardown, which can abort a loaded machine's exit
-        """)
-    return result_of("ddp", timeout=240)
+        """, timeout=240)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -425,17 +412,17 @@ def test_ddp_bucket_line_agrees_with_torch_ddp(ddp, name):
 
 @pytest.fixture(scope="module")
 def gloo():
-    _start_gloo()
-    return result_of("gloo", timeout=240)
+    return background.result("gloo")
 
 
-def _start_gloo() -> None:
+@background.job("gloo")
+def _gloo() -> dict:
     """In one fresh process: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
     spawned, rendezvous on 127.0.0.1) for DDP, FSDP2 and tensor parallelism — each first
     compared with a single-process step on the same weights and batch, then timed — and a
     launch in which rank 1 fails while rank 0 waits in a collective."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
-    start_python("gloo", f"""
+    return run_python(f"""
         import json, os, time
         from pathlib import Path
         from tfcli.parallel.bench import run
@@ -472,7 +459,7 @@ def _start_gloo() -> None:
             out["hang"] = [str(err)]
         out["hang"] += [children(), time.monotonic() - start]
         print(json.dumps(out))
-        """)
+        """, timeout=240)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
@@ -628,8 +615,8 @@ def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(cli):
     assert "nothing fits: even batch = 1 exceeds the device; the table is at batch = 1" in text
     capped = cli(*base, "--fit", "seq-len", "--device-memory", "1GB").stdout  # max_seq_len 64
     assert "largest seq-len that fits: 64; that is the model's max_seq_len" in capped
-    stepped = cli(*base, "--fit", "seq-len", "--device-memory", "1GB", "--set",
-                  "max_seq_len=100000")
+    stepped = cli(*base, "--fit", "seq-len", "--device-memory", "150MB", "--set",
+                  "max_seq_len=100000")  # a small device: a short search (6 replays, not 13)
     assert "(lengths in steps of 64)" in stepped.stdout, stepped.stderr
 
 

@@ -5,15 +5,20 @@ the collective counter against torch's CommDebugMode."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+
+import background
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,17 +47,35 @@ def _threads(pid: int) -> int:
                     if line.startswith("Threads:")))
 
 
-def test_torchrun_two_gloo_ranks(tmp_path):
-    """``torchrun --nproc-per-node 2 -m tfcli bench``: each process is one rank (none spawned),
-    parity holds, and only rank 0 prints (one JSON document) and writes the CSV."""
-    out_csv = tmp_path / "ranks.csv"
+@pytest.fixture(scope="module")
+def torchrun():
+    return background.result("torchrun")
+
+
+@background.job("torchrun")
+def _torchrun() -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """``torchrun --nproc-per-node 2 -m tfcli bench`` in a directory of its own: what it
+    printed, the CSV it wrote, and the names of every file the directory held after it."""
+    where = Path(tempfile.mkdtemp(prefix="tfcli-torchrun-"))
+    out_csv = where / "ranks.csv"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "tfcli", "bench", "--what", "model", "-p", "tiny", "--strategy", "fsdp",
            "--backend", "gloo", "--seq-lens", "16", "--batch-size", "2", "--json",
            "--csv", str(out_csv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=env)
+    env = {**background.session_env(), "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    try:
+        done = background.run(cmd, 120, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=where, env=env)
+        written = out_csv.read_text() if out_csv.exists() else ""
+        return done, written, sorted(p.name for p in where.iterdir())
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_torchrun_two_gloo_ranks(torchrun):
+    """Each process is one rank (none spawned), parity holds, and only rank 0 prints (one
+    JSON document) and writes the CSV."""
+    done, written, files = torchrun
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(done.stdout)  # one document: rank 1 printed nothing
     records = document["records"]
@@ -63,10 +86,10 @@ def test_torchrun_two_gloo_ranks(tmp_path):
         assert r["steps"] == 5 and r["median_s"] > 0 and r["peak_bytes"] > 0
         assert r["comm_counts"]["_allgather_base_"] > 0
     assert document["conditions"]["launch"] == "torchrun"
-    rows = list(csv.DictReader(out_csv.open()))
+    rows = list(csv.DictReader(io.StringIO(written)))
     assert [row["rank"] for row in rows] == ["0", "1"]
     assert json.loads(rows[0]["comm_bytes"]) == records[0]["comm_bytes"]
-    assert list(tmp_path.iterdir()) == [out_csv]  # nothing else written, no temporary left
+    assert files == ["ranks.csv"]  # nothing else written, no temporary left
 
 
 TORCHRUN_ENV = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -199,11 +222,13 @@ def test_ranks_end_when_the_launcher_is_killed():
     assert not any(_alive(pid) for pid in ranks)
 
 
-def test_collective_counter_agrees_with_comm_debug_mode():
-    """On the fake process group (world 2, one process): per collective, the calls that bench's
-    dispatch counter sees in one FSDP2 or tensor-parallel step equal CommDebugMode's. Each
-    layer's dropout module (p = 0) is taken out first: CommDebugMode's module tracker fails on a
-    module called twice in one forward."""
+@pytest.fixture(scope="module")
+def comm_counts():
+    return background.result("comm_counts")
+
+
+@background.job("comm_counts")
+def _comm_counts() -> subprocess.CompletedProcess:
     code = textwrap.dedent("""
         import json, warnings
         warnings.simplefilter("ignore")
@@ -233,8 +258,16 @@ def test_collective_counter_agrees_with_comm_debug_mode():
                                          for op, n in theirs.get_comm_counts().items()}]
         print(json.dumps(out))
         """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    return background.run([sys.executable, "-c", code], 120, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def test_collective_counter_agrees_with_comm_debug_mode(comm_counts):
+    """On the fake process group (world 2, one process): per collective, the calls that bench's
+    dispatch counter sees in one FSDP2 or tensor-parallel step equal CommDebugMode's. Each
+    layer's dropout module (p = 0) is taken out first: CommDebugMode's module tracker fails on a
+    module called twice in one forward."""
+    done = comm_counts
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     for strategy, (own, theirs) in out.items():

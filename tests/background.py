@@ -1,0 +1,103 @@
+"""Checks that wait on processes of their own start with the session and run beside the rest.
+
+Some checks spend their time in other processes: torch.distributed on a fake or a real process
+group, tfcli run as the console script under an address-space limit, a closed stdout or a
+signal. Run where their tests stand, the suite would wait for each in turn with one of the
+machine's two cores idle. Instead each is a *job*, registered (at import) under the name of
+the fixture that hands its result to the tests. When the session starts, the jobs that some
+selected test needs run one at a time in a background thread, while the in-process tests run
+in the main one; the fixture waits for its job. A job that raises makes its fixture raise, so
+its tests fail; none is skipped.
+
+A job runs while in-process tests change the working directory and the environment (a test
+may set torchrun's variables, or plant a ``json.py`` in the directory it runs in): the
+processes a job starts get the directory and the environment the session started with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+_JOBS: dict[str, Callable[[], Any]] = {}
+_FUTURES: dict[str, Future] = {}
+_PROCESSES: list[subprocess.Popen] = []
+_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+_CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
+
+
+def job(fixture: str) -> Callable:
+    """Register the decorated function (no arguments) as the job whose result ``fixture``
+    returns."""
+    def register(fn: Callable[[], Any]) -> Callable[[], Any]:
+        assert fixture not in _JOBS, f"two jobs for fixture {fixture!r}"
+        _JOBS[fixture] = fn
+        return fn
+
+    return register
+
+
+def start(fixtures: Iterable[str]) -> list[str]:
+    """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), in the order
+    they were registered (their modules' order, which is the order the tests need them)."""
+    global _POOL
+    wanted = set(fixtures)
+    names = [name for name in _JOBS if name in wanted and name not in _FUTURES]
+    if names and _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
+    for name in names:
+        _FUTURES[name] = _POOL.submit(_JOBS[name])
+    return names
+
+
+def result(fixture: str) -> Any:
+    """The result of the job behind ``fixture``: waited for when the session started it, run
+    here and now when it did not (a test module run on its own outside pytest's hooks)."""
+    future = _FUTURES.get(fixture)
+    return future.result() if future is not None else _JOBS[fixture]()
+
+
+def session_env() -> dict[str, str]:
+    """The environment as the session started, for a job that adds to it."""
+    return dict(_ENV)
+
+
+def popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` in the session's first directory and environment (unless given),
+    killed at the end of the session if it is still running (a session stopped early by
+    ``-x`` or Ctrl-C does not wait for it)."""
+    kwargs.setdefault("cwd", _CWD)
+    kwargs.setdefault("env", dict(_ENV))
+    proc = subprocess.Popen(args, **kwargs)
+    with _LOCK:
+        _PROCESSES.append(proc)
+    return proc
+
+
+def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` through :func:`popen`; past ``timeout`` seconds the process is
+    killed and the job fails, saying so."""
+    proc = popen(args, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{args[:4]}... did not finish within {timeout} s") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def stop() -> None:
+    """At the session's end: jobs not yet begun are dropped, processes still running killed."""
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+    with _LOCK:
+        for proc in _PROCESSES:
+            if proc.poll() is None:
+                proc.kill()
+    if _POOL is not None:
+        _POOL.shutdown(wait=True)
