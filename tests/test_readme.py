@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+import background
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
@@ -19,11 +24,44 @@ def test_readme_has_examples():
     assert len(EXAMPLES) >= 3
 
 
-@pytest.mark.parametrize("line", EXAMPLES)
-def test_readme_example_runs(cli, line, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # examples may write files (--csv, --profile)
+def _timed(line: str) -> bool:
+    """A bench example: seconds of timing loops whatever the machine does meanwhile."""
+    return line.startswith("tfcli bench ")
+
+
+@pytest.fixture(scope="module")
+def timed_examples():
+    return background.result("timed_examples")
+
+
+@background.job("timed_examples")
+def _timed_examples() -> dict[str, subprocess.CompletedProcess]:
+    """The bench examples, each as the console script in a directory of its own, one after
+    another beside the in-process tests."""
+    out = {}
+    for line in filter(_timed, EXAMPLES):
+        with tempfile.TemporaryDirectory(prefix="tfcli-readme-") as where:
+            _as_in_the_repository(Path(where))
+            out[line] = background.run([sys.executable, "-m", "tfcli", *shlex.split(line)[1:]],
+                                       300, cwd=where, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True,
+                                       env={**background.session_env(), "COLUMNS": "100"})
+    return out
+
+
+def _as_in_the_repository(where: Path) -> None:
     for folder in ("examples", "tests"):  # as from the repository (tests/corpus: models)
-        (tmp_path / folder).symlink_to(README.parent / folder)
+        (where / folder).symlink_to(README.parent / folder)
+
+
+@pytest.mark.parametrize("line", EXAMPLES)
+def test_readme_example_runs(cli, line, tmp_path, monkeypatch, request):
+    if _timed(line):
+        result = request.getfixturevalue("timed_examples")[line]
+        assert result.returncode == 0, result.stderr
+        return
+    monkeypatch.chdir(tmp_path)  # examples may write files (--csv, --profile)
+    _as_in_the_repository(tmp_path)
     result = cli(*shlex.split(line)[1:])
     assert result.exit_code == 0, result.stderr
 
