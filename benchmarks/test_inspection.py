@@ -109,3 +109,45 @@ def test_hf_seven_b_config(benchmark, measuring, tmp_path, command, limit_mib):
     assert ours_mb < limit_mib
     if measuring and command == "params":
         assert ours_s - base_s < 3.0
+
+
+MANY = """
+import torch.nn as nn
+
+
+class Many(nn.Module):
+    '''n tiny layers in one list: the module count of a mixture-of-experts model (DeepSeek-V3
+    has about 47,000 expert matrices) without its weights.'''
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+"""
+
+
+def test_params_grows_linearly_in_modules(benchmark, measuring, tmp_path):
+    """Issue 25: params on a model of 50,000 modules within a few seconds of building it on
+    meta (with 20,000 it gave no answer in 3 minutes while it compared every module with every
+    parameter), and its cost beyond building linear in the module count."""
+    (tmp_path / "many.py").write_text(MANY)
+    build = ("import sys, torch; sys.path.insert(0, {where!r}); import many; "
+             "torch.set_default_device('meta'); many.Many({n})")
+
+    def beyond_building(n: int) -> float:
+        params_s, _ = best_of(TFCLI + ["params", "--model", f"{tmp_path}/many.py:Many",
+                                       "--model-arg", f"n={n}"], 1)
+        build_s, _ = best_of([PYTHON, "-c", build.format(where=str(tmp_path), n=n)], 1)
+        return params_s - build_s
+
+    sizes = (12_500, 50_000) if measuring else (500, 2_000)
+    beyond = benchmark.pedantic(lambda: {n: beyond_building(n) for n in sizes}, rounds=1,
+                                iterations=1)
+    _record(benchmark, **{f"beyond_build_{n}_modules_s": s for n, s in beyond.items()})
+    if measuring:
+        assert beyond[sizes[1]] < 5.0
+        assert beyond[sizes[1]] / max(beyond[sizes[0]], 0.05) < 6  # 4 if linear, 16 if not

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import asdict, dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 from tfcli.errors import TfcliError
 
@@ -137,19 +137,29 @@ def param_report(model: nn.Module) -> ParamReport:
     for path, module in model.named_modules(remove_duplicate=False):
         module_paths.setdefault(id(module), []).append(path)
 
+    # Each parameter counts in its owning module and in every module above it: walking up
+    # from the owners costs parameters × depth, where asking every module which names start
+    # with its path would cost modules × parameters (minutes at 20,000 modules).
+    modules = dict(model.named_modules())
+    owned_by: dict[str, list[Tensor]] = {}
+    for pid, p in unique.items():
+        parts = owner[pid].split(".")[:-1]
+        for i in range(len(parts) + 1):
+            owned_by.setdefault(".".join(parts[:i]), []).append(p)
+
     rows: list[LayerRow] = []
     containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
     by_component: dict[str, int] = {}
     by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)
-    for path, module in model.named_modules():
+    for path, module in modules.items():
         prefix = f"{path}." if path else ""
-        owned = [p for pid, p in unique.items() if owner[pid].startswith(prefix)]
+        owned = owned_by.get(path, [])
         direct = list(module.named_parameters(recurse=False, remove_duplicate=False))
         own = [(n, p) for n, p in direct if owner[id(p)] == prefix + n]
         flags = {p.requires_grad for p in owned}
         parts = path.split(".") if path else []
-        n_containers = sum(isinstance(model.get_submodule(".".join(parts[:i])), containers)
-                           for i in range(1, len(parts)))
+        chain = [modules[".".join(parts[:i])] for i in range(len(parts) + 1)]
+        n_containers = sum(isinstance(m, containers) for m in chain[1:-1])
         rows.append(LayerRow(
             path=path, type=type(module).__name__, depth=len(parts) - n_containers,
             params=sum(p.numel() for p in owned), own_params=sum(p.numel() for _, p in own),
@@ -159,7 +169,6 @@ def param_report(model: nn.Module) -> ParamReport:
             tied_to={n: owner[id(p)] for n, p in direct if owner[id(p)] != prefix + n},
             container=isinstance(module, containers)))
         for _, p in own:
-            chain = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
             by_kind[_kind(chain, parts)] += p.numel()
             top = parts[0] if parts else "(model)"
             by_component[top] = by_component.get(top, 0) + p.numel()
