@@ -117,3 +117,25 @@ def test_a_cell_that_does_not_fit_is_a_skipped_record():
     assert statuses[(32, "naive")].startswith("skipped: needs ")
     assert statuses[(32, "naive")].endswith("4 KiB available (--max-memory)")
     assert len(records) == 4  # the sweep went on past it
+
+
+def test_a_run_without_backward_is_not_charged_for_gradients(cli):
+    """Issue 25: the guard charged gradients to forward-only runs and refused runs that fit.
+    A forward that autograd records (shapes without --backward) keeps the step's activations
+    but makes no gradients; a no_grad forward (bench's fwd) keeps only its own peak."""
+    from tfcli.guard import model_run_bytes
+    from tfcli.model.counting import count_params
+    from tfcli.model.presets import get_preset
+    from tfcli.subjects.own import OwnSubject
+
+    cfg = get_preset("tiny")
+    subject, dims = OwnSubject(cfg), {"B": 2, "S": 9, "T": 7}  # shapes' default sizes
+    step, _ = model_run_bytes(subject, dims, run="step")
+    forward, how = model_run_bytes(subject, dims, run="forward")
+    inference, _ = model_run_bytes(subject, dims, run="inference")
+    assert step - forward == 4 * count_params(cfg).total and "gradients" not in how
+    assert inference < forward
+    limit = f"{(step + forward) // 2}B"
+    assert cli("shapes", "-p", "tiny", "--device", "cpu", "--max-memory", limit).exit_code == 0
+    refused = cli("shapes", "-p", "tiny", "--device", "cpu", "--max-memory", limit, "--backward")
+    assert refused.exit_code == 2 and "gradients" in refused.stderr

@@ -179,18 +179,29 @@ def weight_bytes(subject) -> int | None:
         return None
 
 
+RUNS = ("step", "forward", "inference", "observed")
+
+
 def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32",
-                    forward_only: bool = False) -> tuple[int, str]:
-    """Bytes of building ``subject`` for real and running one training step at ``sizes``:
-    weights and buffers, gradients, and the activation peak of a fake-tensor replay. With
-    ``forward_only``, forward passes under no_grad that keep every attention call's weights
-    (what a mask check does): no gradients, the forward's peak, and those weights. Nothing is
-    allocated to find out; a model the replay cannot run counts weights, gradients and inputs
-    only."""
+                    run: str = "step") -> tuple[int, str]:
+    """Bytes of building ``subject`` for real and running it at ``sizes``, by what the run
+    does:
+
+    - ``step``: one training step: weights and buffers, gradients, inputs, and the activation
+      peak of a fake-tensor replay of forward and backward;
+    - ``forward``: a forward pass that autograd records but no backward follows (``shapes``
+      without ``--backward``): no gradients; the step's activation peak bounds what is saved;
+    - ``inference``: a forward pass under no_grad (bench's ``fwd``): its own replayed peak;
+    - ``observed``: inference that keeps every attention call's weights (what a mask check
+      does), in fp32 with a bool mask beside them.
+
+    Nothing is allocated to find out; a model the replay cannot run counts weights, gradients
+    and inputs only."""
     import torch
 
     from tfcli.inspection.memory import DTYPES, estimate_activations, estimate_forward_peak
 
+    assert run in RUNS, run
     device, abstract = subject.abstract_run("meta")
     with abstract:
         model = subject.build(device, DTYPES[dtype] if dtype != "fp32" else None)
@@ -198,8 +209,8 @@ def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32",
                       for t in [*model.parameters(), *model.buffers()])
         inputs = sum(t.numel() * t.element_size()
                      for t in subject.make_inputs(model, sizes, device).tensors())
-        grads = 0 if forward_only else sum(p.numel() * p.element_size()
-                                           for p in model.parameters() if p.requires_grad)
+        grads = 0 if run != "step" else sum(p.numel() * p.element_size()
+                                            for p in model.parameters() if p.requires_grad)
     del model
     kept = [0]
 
@@ -207,19 +218,22 @@ def model_run_bytes(subject, sizes: dict[str, int], dtype: str = "fp32",
         if op.kind in ("softmax", "sdpa") and op.shape:
             kept[0] += 5 * math.prod(op.shape)
 
+    no_grad = run in ("inference", "observed")
     try:
-        activations = (estimate_forward_peak(subject, sizes, dtype, on_op=count) if forward_only
-                       else estimate_activations(subject, sizes, dtype)[0].peak_bytes)
+        activations = (estimate_forward_peak(subject, sizes, dtype,
+                                             on_op=count if run == "observed" else None)
+                       if no_grad else estimate_activations(subject, sizes, dtype)[0].peak_bytes)
     except (torch.cuda.OutOfMemoryError, MemoryError):
         raise
     except Exception:
         activations = 0
     total = weights + grads + inputs + activations + kept[0]
-    if forward_only:
-        return total, (f"weights {gib(weights)} + inputs {gib(inputs)} + forward peak "
-                       f"{gib(activations)} + attention weights kept {gib(kept[0])}")
-    return total, (f"weights {gib(weights)} + gradients {gib(grads)} + inputs {gib(inputs)} + "
-                   f"activations {gib(activations)}")
+    parts = [f"weights {gib(weights)}"] + ([f"gradients {gib(grads)}"] if run == "step" else [])
+    parts += [f"inputs {gib(inputs)}", (f"forward peak {gib(activations)}" if no_grad
+                                        else f"activations {gib(activations)}")]
+    if run == "observed":
+        parts.append(f"attention weights kept {gib(kept[0])}")
+    return total, " + ".join(parts)
 
 
 def attention_cell_bytes(kernel: str, which: str, batch: int, heads: int, head_dim: int,
@@ -236,12 +250,12 @@ def attention_cell_bytes(kernel: str, which: str, batch: int, heads: int, head_d
 
 def guard_run(subject, dims: dict[str, int] | None, what: str, max_memory: str | None,
               device: str = "cpu", extra: tuple[int, str] = (0, ""),
-              forward_only: bool = False) -> None:
-    """Refuse a real run of ``subject`` at ``dims`` (None: no model run) plus ``extra``
-    (bytes, what they are) whose estimate exceeds what is available (or --max-memory), before
-    anything is allocated."""
+              run: str = "step") -> None:
+    """Refuse a real ``run`` (see :func:`model_run_bytes`) of ``subject`` at ``dims`` (None:
+    no model run) plus ``extra`` (bytes, what they are) whose estimate exceeds what is
+    available (or --max-memory), before anything is allocated."""
     limit = parse_size(max_memory) if max_memory is not None else None
-    need, how = (model_run_bytes(subject, dims, forward_only=forward_only)
+    need, how = (model_run_bytes(subject, dims, run=run)
                  if subject is not None else (0, ""))
     if extra[0]:
         need, how = need + extra[0], " + ".join(part for part in (how, extra[1]) if part)

@@ -218,7 +218,7 @@ def masks(
                                       "T": lens.get("tgt", 1) + room},
                   "masks --check", max_memory,
                   extra=(6 * batch_size * (longest + room)**2 * 6, "mask grids"),
-                  forward_only=True)
+                  run="observed")
         with working("building the model on cpu") as say:  # on stderr, at a terminal only
             torch.manual_seed(0)
             model = build_model(naive)
@@ -373,7 +373,7 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     _apart(dims, padded, set(subject.length_dims()))
     # The largest run the check makes: the padding-length check adds GROW positions.
     longest = {k: n + (GROW if k in padded else 0) for k, n in dims.items()}
-    guard_run(subject, longest, "masks --model (built on cpu)", max_memory, forward_only=True)
+    guard_run(subject, longest, "masks --model (built on cpu)", max_memory, run="observed")
 
     torch.manual_seed(0)
     with working("building the model on cpu") as say:  # on stderr, at a terminal only

@@ -96,7 +96,8 @@ def shapes(
                 raise TfcliError(f"--{side}-len {lengths[side]} exceeds max_seq_len="
                                  f"{cfg.max_seq_len}; {max_seq_len_hint(lengths[side])}")
     if device.value != "meta":  # estimated on fake tensors first: refused, not OOM-killed
-        guard_run(subject, dims, f"shapes --device {device.value}", max_memory, device.value)
+        guard_run(subject, dims, f"shapes --device {device.value}", max_memory, device.value,
+                  run="step" if backward else "forward")
     run_device, abstract = subject.abstract_run(device.value)
     args = (dims, src_lens, tgt_lens, lengths, batch_size, depth, expand, backward,
             causal_flops, json_out)
@@ -105,7 +106,8 @@ def shapes(
             _trace_and_show(subject, run_device, device.value, *args,
                             may_fall_back=device.value == "meta" and not given("device"))
     except NotAbstract as failed:  # a CPU tensor made in forward, a value read: run it for real
-        guard_run(subject, dims, "shapes (on cpu: the model does not run on meta)", max_memory)
+        guard_run(subject, dims, "shapes (on cpu: the model does not run on meta)", max_memory,
+                  run="step" if backward else "forward")
         _trace_and_show(subject, "cpu", "cpu", *args, fallback=(
             f"the forward pass cannot run without values ({failed}); traced on the CPU at "
             f"the same sizes instead"))
