@@ -451,3 +451,31 @@ def test_check_on_huge_lengths_keeps_its_memory_guard(cli):
     result = cli("masks", "--preset", "gpt2-small", "--set", "max_seq_len=1000000",
                  "--tgt-lens", "1000000", "--check")
     assert result.exit_code == 2 and "masks --check needs an estimated" in result.stderr
+
+
+SDPA_MODEL = """
+import torch
+import torch.nn.functional as F
+
+
+class M(torch.nn.Module):
+    def forward(self, x, attention_mask):
+        keep = attention_mask[:, None, None, :].bool()
+        return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None],
+                                              attn_mask=keep)[:, 0]
+"""
+
+
+def test_model_json_too_large_for_memory_is_refused_before_it_is_made(cli, tmp_path):
+    """Issue 25: --json for --model holds every captured mask whole (it grew to 5.8 GB with
+    no guard). 2 × 1000 × 1000 cells make about 220 MB of lists and text: refused in one line
+    under a 100 MB limit that the run itself fits in, with nothing on stdout."""
+    (tmp_path / "m.py").write_text(SDPA_MODEL)
+    args = ["masks", "--model", f"{tmp_path}/m.py:M", "--input", "x=float32[B,L,4]",
+            "--input", "attention_mask=int64[B,L]", "--json", "--max-memory", "100MB"]
+    refused = cli(*args, "--lengths", "x=1000,600")
+    assert refused.exit_code == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("tfcli: error: masks --json needs an estimated")
+    assert "2,000,000 mask cells" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert cli(*args, "--lengths", "x=100,60").exit_code == 0  # 20,000 cells: 2.2 MB

@@ -15,10 +15,11 @@ from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
 from tfcli.cli.rules import Needs, Rule, Rules, any_model, own_model
 from tfcli.errors import TfcliError
-from tfcli.guard import guard_run
+from tfcli.guard import guard_run, parse_size, require
 
 DEFAULT_LENS = {"src": [4, 6], "tgt": [3, 5]}  # element 0 padded on both sides
 WHOLE = 512  # --json and --png hold every cell up to this many positions a side
+JSON_BYTES_PER_CELL = 110  # a mask cell in --json for --model: a list item, then text
 
 
 class Convention(str, Enum):
@@ -391,6 +392,14 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
             verdict, seen = None, observe_plan(model, plan, say)
     shown = drawn(seen)
     if json_out:
+        # Every captured mask whole, as nested lists and then JSON text: about 100 bytes per
+        # cell at the peak (measured with tracemalloc on a [2, 300, 300] mask), which lengths
+        # in the tens of thousands turn into gigabytes.
+        cells = sum(d.allowed.numel() for d in shown if d.allowed is not None)
+        require(JSON_BYTES_PER_CELL * cells, "masks --json", parse_size(max_memory)
+                if max_memory is not None else None, "cpu",
+                f"{cells:,} mask cells, each written whole, about {JSON_BYTES_PER_CELL} B "
+                f"apiece while the JSON is made; without --json the table elides them")
         out = {"subject": subject.describe(), "seen": [d.to_dict() for d in shown]}
         if verdict is not None:
             out["check"] = verdict.to_dict()
