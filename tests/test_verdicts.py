@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+import background
 
 transformers = pytest.importorskip("transformers")
 
@@ -324,17 +327,32 @@ class Model(nn.Module):
 """
 
 
-def test_stdout_holds_only_the_answer_even_when_the_model_writes_to_descriptor_1(tmp_path):
+@pytest.fixture(scope="module")
+def raw_writer_run():
+    return background.result("raw_writer_run")
+
+
+@background.job("raw_writer_run")
+def _raw_writer_run():
+    """``masks --check --json`` on RAW_WRITER, as the console script in a directory of its
+    own."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tfcli-raw-") as where:
+        path = Path(where) / "raw.py"
+        path.write_text(RAW_WRITER)
+        return background.run([sys.executable, "-m", "tfcli", "masks", "--model",
+                               f"{path}:Model", "--input", "x=float32[B,L,4]", "--causal", "x",
+                               "--check", "--json"], 120, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=where)
+
+
+def test_stdout_holds_only_the_answer_even_when_the_model_writes_to_descriptor_1(
+        raw_writer_run):
     """In a real process (the descriptors are the point): what the model writes past print()
     goes to stderr, and --json stays one document."""
-    import subprocess
-
-    path = tmp_path / "raw.py"
-    path.write_text(RAW_WRITER)
-    result = subprocess.run([sys.executable, "-m", "tfcli", "masks", "--model", f"{path}:Model",
-                             "--input", "x=float32[B,L,4]", "--causal", "x", "--check",
-                             "--json"], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path)
+    result = raw_writer_run
     assert json.loads(result.stdout)["check"]["verdict"] == "incomplete"  # no attention
     assert result.returncode == 3
     assert "to descriptor 1 in forward" in result.stderr
