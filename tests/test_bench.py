@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,12 +178,31 @@ def test_interrupted_cli_writes_csv_and_exits_130(cli, ctrl_c_at_block, tmp_path
     assert rows and any(row["status"].startswith("ok") and row["median_s"] for row in rows)
 
 
-def test_json_through_the_cli(cli, tmp_path):
-    result = cli("bench", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8",
-                 "--kernels", "naive,sdpa", "--pass", "fwd", "--min-time", "0.005",
-                 "--max-time", "0.05", "--json", "--threads", "1",
-                 "--plot", str(tmp_path / "p.png"), "--profile", str(tmp_path / "traces"))
-    assert result.exit_code == 0, result.stderr
+@pytest.fixture(scope="module")
+def bench_json_run():
+    return background.result("bench_json_run")
+
+
+@background.job("bench_json_run")
+def _bench_json_run() -> tuple[subprocess.CompletedProcess, bytes, list[str]]:
+    """``bench --json --plot --profile`` as the console script in a directory of its own
+    (profiling and plotting take seconds): its output, the plot's first bytes and the traces'
+    names."""
+    with tempfile.TemporaryDirectory(prefix="tfcli-bench-json-") as where:
+        done = background.run(
+            [sys.executable, "-m", "tfcli", "bench", "--seq-lens", "16,32", "--heads", "2",
+             "--head-dim", "8", "--kernels", "naive,sdpa", "--pass", "fwd", "--min-time", "0.005",
+             "--max-time", "0.05", "--json", "--threads", "1", "--plot", "p.png", "--profile",
+             "traces"], 180, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        png = Path(where, "p.png")
+        traces = sorted(t.name for t in Path(where, "traces").glob("*.pt.trace.json"))
+        return done, png.read_bytes()[:4] if png.exists() else b"", traces
+
+
+def test_json_through_the_cli(bench_json_run):
+    result, png, traces = bench_json_run
+    assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["environment"]["threads"] == 1 and data["environment"]["torch"]
     assert all(FIELDS <= set(r) for r in data["records"])
@@ -189,8 +212,8 @@ def test_json_through_the_cli(cli, tmp_path):
     assert all(isinstance(f["reliable"], bool) for f in data["fits"])
     machine = data["environment"]["machine"]
     assert {"start", "end"} <= set(machine) and "load_avg" in machine["start"]
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-    assert list((tmp_path / "traces").glob("*.pt.trace.json"))
+    assert png == b"\x89PNG"
+    assert traces
 
 
 def test_table_through_the_cli(cli):
@@ -352,8 +375,6 @@ def _busy_sweep() -> dict | None:
     all inherit the pinning. Each spinner stops itself after 60 s and is killed when the sweep
     ends. None where sched_setaffinity is missing."""
     import os
-    import subprocess
-    import sys
 
     if not hasattr(os, "sched_setaffinity"):
         return None
