@@ -6,7 +6,8 @@ signal. Run where their tests stand, the suite would wait for each in turn with 
 machine's two cores idle. Instead each is a *job*, registered (at import) under the name of
 the fixture that hands its result to the tests. When the session starts, the jobs that some
 selected test needs run one at a time in a background thread, while the in-process tests run
-in the main one; the fixture waits for its job. A job that raises makes its fixture raise, so
+in the main one; the tests that read a job's result run last (tests/conftest.py orders them),
+and the fixture waits for its job if it is still running. A job that raises makes its fixture raise, so
 its tests fail; none is skipped.
 
 A job runs while in-process tests change the working directory and the environment (a test
@@ -52,6 +53,11 @@ def start(fixtures: Iterable[str]) -> list[str]:
     for name in names:
         _FUTURES[name] = _POOL.submit(_JOBS[name])
     return names
+
+
+def uses_job(fixtures: Iterable[str]) -> bool:
+    """Whether a test with these fixtures reads a job's result."""
+    return any(name in _JOBS for name in fixtures)
 
 
 def result(fixture: str) -> Any:

@@ -76,8 +76,17 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that need a quiet machine run first, before any background job starts."""
-    items.sort(key=lambda item: item.get_closest_marker("quiet") is None)  # stable
+    """Tests that need a quiet machine run first, before any background job starts; tests
+    that read a background job's result run last, when the jobs have had the whole session
+    to finish beside the in-process tests. The order is otherwise kept."""
+    import background
+
+    def place(item) -> int:
+        if item.get_closest_marker("quiet") is not None:
+            return 0
+        return 2 if background.uses_job(item.fixturenames) else 1
+
+    items.sort(key=place)  # stable
 
 
 def pytest_runtest_setup(item):
