@@ -470,9 +470,10 @@ class Sweep:
                                         length, DTYPES[dtype].itemsize)
         else:
             sizes = self._sizes(length)
-            key = (tuple(sorted(sizes.items())), dtype)
+            run = "inference" if which == "fwd" else "step"  # fwd runs under no_grad
+            key = (tuple(sorted(sizes.items())), dtype, run)
             if key not in self._bytes:
-                self._bytes[key] = model_run_bytes(self.subject, sizes, dtype)[0]
+                self._bytes[key] = model_run_bytes(self.subject, sizes, dtype, run)[0]
             need = self._bytes[key]
         return shortfall(need, device, s.max_memory)
 
