@@ -20,7 +20,7 @@ from tfcli.bench.cases import DTYPES, TOLERANCE, Prepared, kernel_ran, prepare_a
 from tfcli.bench.fit import CI_RELIABLE, bootstrap_ci, loglog_slope, upper_half
 from tfcli.bench.timer import CALIBRATION_SIZE, RELIABLE_DISPERSION, CellTimer, Contention, \
     machine_state, matmul_timer, peak_memory
-from tfcli.subjects.base import error_text, model_prints_to_stderr
+from tfcli.subjects.base import error_text, model_code, model_prints_to_stderr
 
 # Dense peak FLOP/s from the vendors' spec sheets (no sparsity); fp32 is non-tensor-core.
 GPU_PEAKS = {"A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
@@ -336,9 +336,11 @@ class Sweep:
     # --- the sweep ---------------------------------------------------------------------------
 
     def run(self) -> list[Record]:
-        """Every cell, with what the model prints sent to stderr once around the whole sweep
-        (not inside the timed calls)."""
-        with model_prints_to_stderr():
+        """Every cell, with what the model prints sent to stderr, and what would end tfcli
+        (os._exit, a crash) reported as the model's doing, once around the whole sweep (not
+        inside the timed calls)."""
+        model = self.spec.what == "model"
+        with model_code("while bench ran it") if model else model_prints_to_stderr():
             return self._run()
 
     def _run(self) -> list[Record]:

@@ -155,6 +155,8 @@ class TfcliGroup(TyperGroup):
             code = self._run(signals, args, prog_name, complete_var, **extra)
         if signals.received is not None:
             _restore_cursor()
+        if standalone_mode and Signals.own_process:
+            _leave_threads_behind(code)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -201,6 +203,31 @@ class TfcliGroup(TyperGroup):
             fail("terminated (SIGTERM)" if code == TERMINATED else "interrupted (Ctrl-C)", code,
                  kind="")
         return code
+
+
+def _leave_threads_behind(code: int) -> None:
+    """The command has answered; threads the model started and did not make daemons would keep
+    the interpreter waiting at exit, maybe for ever. Say so in one line and end the process
+    with the command's exit code, without waiting for them."""
+    import threading
+    from collections import Counter
+
+    left = Counter(t.name for t in threading.enumerate()
+                   if t is not threading.main_thread() and not t.daemon and t.is_alive())
+    if not left:
+        return
+    named = [name if n == 1 else f"{name} ×{n}" for name, n in left.most_common()]
+    names = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+    total = sum(left.values())
+    fail(f"the model left {total} thread{'s' if total > 1 else ''} running ({names}); tfcli "
+         f"ends without waiting for {'them' if total > 1 else 'it'}", code, kind="note: ")
+    for stream in (sys.stdout, sys.stderr):  # os._exit does not flush them
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _stdout_broken() -> bool:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tfcli.errors import InputError, TfcliError
+from tfcli.subjects.contain import OsExitCalled, contained, signal_came
 
 # What the letters mean wherever a shape is printed.
 LEGEND = {"B": "batch", "S": "source length", "T": "target length", "L": "sequence length",
@@ -81,6 +82,15 @@ def model_prints_to_stderr():
                     pass
 
 
+@contextlib.contextmanager
+def model_code(stage: str):
+    """Where tfcli calls code it did not write (``stage``: "in its forward pass", "while it
+    was built"): what it prints goes to stderr, the directory is kept, and os._exit() or a
+    crash is reported in one line instead of ending tfcli silently (tfcli.subjects.contain)."""
+    with contained(stage), model_prints_to_stderr():
+        yield
+
+
 @dataclass
 class Inputs:
     """Positional and keyword arguments of one forward call."""
@@ -88,16 +98,23 @@ class Inputs:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module):
-        with model_prints_to_stderr():
+        with model_code("in its forward pass"):
             return self.call(model)
 
     def call(self, model: nn.Module):
-        """The call alone, for a timed loop that runs inside one model_prints_to_stderr()
-        (redirecting stdout costs system calls, which a timing must not include)."""
+        """The call alone, for a timed loop that runs inside one model_code() (redirecting
+        stdout costs system calls, which a timing must not include). What would end tfcli
+        (sys.exit, os._exit, a BaseException, a KeyboardInterrupt no signal sent) becomes
+        ModelExited, an error like any other the model raises."""
         try:
             return model(*self.args, **self.kwargs)
-        except SystemExit as exit_:  # the model's own exit: a failed run, not tfcli ending
-            raise ModelExited(f"the model called {exit_call(exit_)}") from None
+        except Exception:
+            raise
+        except BaseException as error:
+            what = model_ending(error)
+            if what is None:  # Ctrl-C or SIGTERM: tfcli stops as usual
+                raise
+            raise ModelExited(f"the model {what}") from None
 
     def tensors(self) -> list[Tensor]:
         return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, Tensor)]
@@ -336,13 +353,31 @@ class RunFailed(TfcliError):
 
 
 class ModelExited(RuntimeError):
-    """The model called ``sys.exit()`` in its forward pass. As a SystemExit it would end tfcli
-    silently with the model's exit code; as an ordinary error it is reported like any other."""
+    """The model's forward pass called ``sys.exit()`` or ``os._exit()``, or raised what is not
+    an Exception (GeneratorExit, a BaseException of its own, a KeyboardInterrupt that no signal
+    sent). Left as it was it would end tfcli silently with the model's exit code, as a
+    traceback, or as Ctrl-C; as an ordinary error it is reported like any other."""
 
 
 def exit_call(exit_: SystemExit) -> str:
-    """How the code that raised ``exit_`` called it: ``sys.exit(5)``, ``sys.exit()``."""
+    """How the code that raised ``exit_`` called it: ``sys.exit(5)``, ``sys.exit()``,
+    ``os._exit(3)``."""
+    if isinstance(exit_, OsExitCalled):
+        return f"os._exit({exit_.code!r:.100})"
     return "sys.exit()" if exit_.code is None else f"sys.exit({exit_.code!r:.100})"
+
+
+def model_ending(error: BaseException) -> str | None:
+    """What the model did, in words, when its code ended with ``error`` where an Exception was
+    expected: "called os._exit(3)", "raised GeneratorExit: bye". None for Ctrl-C or SIGTERM
+    reaching tfcli (a KeyboardInterrupt a signal sent), which must stop the command as usual."""
+    if isinstance(error, SystemExit):
+        return f"called {exit_call(error)}"
+    if isinstance(error, KeyboardInterrupt):
+        if signal_came():
+            return None
+        return "raised KeyboardInterrupt itself (no Ctrl-C or signal came)"
+    return f"raised {error_text(error)}"
 
 
 def error_text(error: BaseException, limit: int = 300, whole: bool = False) -> str:
@@ -366,8 +401,9 @@ def _shape_text(t) -> list[int] | str | None:
 def running(model: nn.Module, what: str = "forward pass", during: str = ""):
     """Run ``model`` inside this block as tfcli runs code it did not write: an exception of
     the model's own becomes :class:`RunFailed`, one line naming the module call under way and
-    its input shapes, as ``shapes`` reports a failed forward pass. tfcli's own errors and
-    running out of memory pass through unchanged. Hooks are removed in ``finally``."""
+    its input shapes, as ``shapes`` reports a failed forward pass; so does what would end
+    tfcli (model_ending). tfcli's own errors, running out of memory and Ctrl-C pass through
+    unchanged. Hooks are removed in ``finally``."""
     names = {id(m): path for path, m in model.named_modules()}
     calls: list[str] = []  # the module calls under way, innermost last
 
@@ -384,10 +420,16 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
         m.register_forward_pre_hook(enter, with_kwargs=True),
         m.register_forward_hook(leave, with_kwargs=True))]
     try:
-        yield
+        with model_code(f"in its {what}"):
+            yield
     except (TfcliError, MemoryError, torch.OutOfMemoryError):
         raise
-    except Exception as error:
+    except BaseException as error:
+        if not isinstance(error, Exception):  # its backward pass (a forward pass: Inputs.call)
+            ending = model_ending(error)
+            if ending is None:
+                raise
+            error = ModelExited(f"the model {ending}")
         where = f" in {calls[-1]}" if calls else f" in (model) ({type(model).__name__})"
         fake = type(error).__module__.startswith(("torch._subclasses", "torch.fx"))
         hint = "; the replay runs the model on fake tensors, which hold no values" if fake else ""
@@ -406,7 +448,7 @@ def building(device, dtype: torch.dtype | None):
     try:
         if dtype is not None:
             torch.set_default_dtype(dtype)
-        with torch.device(device), warnings.catch_warnings(), model_prints_to_stderr():
+        with torch.device(device), warnings.catch_warnings(), model_code("while it was built"):
             warnings.simplefilter("ignore")
             yield
     finally:

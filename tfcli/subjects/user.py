@@ -23,8 +23,8 @@ from torch import nn
 
 from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects.base import (InputSpec, Inputs, RunFailed, Subject, building,
-                                 check_inputs_fit, embedding_limit, error_text, exit_call,
-                                 make_tensors, model_prints_to_stderr, signature_text)
+                                 check_inputs_fit, embedding_limit, error_text, make_tensors,
+                                 model_code, model_ending, signature_text)
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -44,12 +44,17 @@ def parse_model_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
+_TFCLI = str(Path(__file__).resolve().parent.parent) + os.sep  # the package's own files
+
+
 def _where(error: BaseException, near: str | None = None) -> str:
-    """file:line of the frame that raised, preferring frames in the user's file."""
+    """file:line of the frame that raised, preferring frames in the user's file, else frames
+    outside tfcli (os._exit's stand-in raises in tfcli's code, for the model)."""
     frames = traceback.extract_tb(error.__traceback__)
     if near:
         mine = [f for f in frames if Path(f.filename).resolve() == Path(near).resolve()]
         frames = mine or frames
+    frames = [f for f in frames if not f.filename.startswith(_TFCLI)] or frames
     if not frames:
         return ""
     return f" ({frames[-1].filename}:{frames[-1].lineno})"
@@ -76,28 +81,28 @@ def import_object(ref: str):
         if folder not in sys.path:  # as `python FILE.py`: its siblings import by name
             sys.path.insert(0, folder)
         try:
-            with model_prints_to_stderr():
+            with model_code(f"while {module_part} was imported"):
                 spec.loader.exec_module(module)
-        except SystemExit as exit_:
-            sys.modules.pop(name, None)
-            raise _exited(ref, f"while {module_part} was imported", exit_, str(path)) from None
         except Exception as error:
             sys.modules.pop(name, None)
             raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
                              f"{error_text(error)}{_where(error, str(path))}") from None
+        except BaseException as error:
+            sys.modules.pop(name, None)
+            raise _ended(ref, f"while {module_part} was imported", error, str(path)) from None
     else:
         if os.getcwd() not in sys.path:  # as `python -m`, but after installed packages, so
             sys.path.append(os.getcwd())  # a json.py lying here shadows nothing
         try:
-            with model_prints_to_stderr():
+            with model_code(f"while {module_part} was imported"):
                 module = importlib.import_module(module_part)
         except ModuleNotFoundError as error:
             raise TfcliError(f"--model {ref!r}: no module named {error.name!r}") from None
-        except SystemExit as exit_:
-            raise _exited(ref, f"while {module_part} was imported", exit_) from None
         except Exception as error:
             raise TfcliError(f"--model {ref!r}: importing {module_part} raised "
                              f"{error_text(error)}{_where(error)}") from None
+        except BaseException as error:
+            raise _ended(ref, f"while {module_part} was imported", error) from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -132,10 +137,10 @@ class UserSubject(Subject):
                 result = self._factory(**self.model_args)
         except TfcliError:
             raise
-        except SystemExit as exit_:
-            raise _exited(self.ref, "while it was built", exit_, self._file) from None
         except Exception as error:
             raise self._build_failed(error, device) from None
+        except BaseException as error:
+            raise _ended(self.ref, "while it was built", error, self._file) from None
         model, given = result, None
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
             model, given = result
@@ -154,6 +159,7 @@ class UserSubject(Subject):
             raise TfcliError(f"--model {self.ref}: {type(model).__name__} defines no forward() "
                              f"(nn.Module's own only raises NotImplementedError); define "
                              f"forward(self, ...) in it")
+        check_module_tree(model, f"--model {self.ref}")
         if str(device) != "meta":
             _materialise(model, device)
         self._given = given
@@ -251,9 +257,54 @@ class UserSubject(Subject):
                            for s in self.input_specs]}
 
 
-def _exited(ref: str, when: str, exit_: SystemExit, near: str | None = None) -> RunFailed:
-    return RunFailed(f"--model {ref}: the model called {exit_call(exit_)} {when}"
-                     f"{_where(exit_, near)}; tfcli reports it as a failed run")
+def _ended(ref: str, when: str, error: BaseException, near: str | None = None) -> RunFailed:
+    """The model's code ended with what is not an Exception (sys.exit, os._exit, a
+    BaseException, a KeyboardInterrupt of its own): a failed run, said in one line. Ctrl-C or
+    SIGTERM meanwhile is raised on, to stop tfcli as usual."""
+    what = model_ending(error)
+    if what is None:
+        raise error
+    return RunFailed(f"--model {ref}: the model {what} {when}{_where(error, near)}; tfcli "
+                     f"reports it as a failed run")
+
+
+# torch walks a model's modules by recursion (.to(), .eval(), apply, state_dict, named_modules),
+# as does the forward pass of nested modules (about four Python frames a level); tfcli's own
+# calls take some 200 of Python's 1,000. 100 levels leave room for all of it; real models nest
+# a dozen or two.
+MAX_DEPTH = 100
+
+
+def check_module_tree(model: nn.Module, who: str) -> None:
+    """Refuse, in one line, a module tree that recursion over it cannot walk: a cycle (a
+    module that holds itself, or one of the modules holding it) never ends, and one nested
+    deeper than MAX_DEPTH levels exceeds Python's recursion limit. The walk here does not
+    recurse, and a module shared by several parents (tied) is walked once."""
+    levels: dict[int, int] = {}  # id -> levels from it down, once its subtree is walked
+    open_paths = {id(model): ""}  # the modules whose subtrees are being walked
+    stack = [(model, "", model.named_children())]
+    while stack:
+        module, path, children = stack[-1]
+        for name, child in children:
+            where = f"{path}.{name}" if path else name
+            if id(child) in open_paths:
+                ancestor = open_paths[id(child)] or "(model)"
+                raise TfcliError(f"{who}: the model's module tree has a cycle through "
+                                 f"{where!r}, which is {ancestor} ({type(child).__name__}) "
+                                 f"again, one of the modules holding it; tfcli walks modules "
+                                 f"as a tree and cannot walk a cycle")
+            if id(child) not in levels:
+                open_paths[id(child)] = where
+                stack.append((child, where, child.named_children()))
+                break
+        else:
+            stack.pop()
+            del open_paths[id(module)]
+            levels[id(module)] = 1 + max((levels[id(c)] for c in module.children()), default=0)
+    if levels[id(model)] > MAX_DEPTH:
+        raise TfcliError(f"{who}: the model's modules are nested {levels[id(model)]:,} levels "
+                         f"deep, beyond the {MAX_DEPTH} levels tfcli walks (torch walks them "
+                         f"by recursion, within Python's recursion limit)")
 
 
 def _materialise(model: nn.Module, device) -> None:

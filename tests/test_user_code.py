@@ -1,0 +1,317 @@
+"""User code that ends or wedges the process (issue 25).
+
+The model calls os._exit(), crashes, raises a BaseException or a KeyboardInterrupt of its own,
+leaves a thread running, or holds a module tree with a cycle or 5,000 levels: each is one
+``tfcli:`` line naming what the model did and a documented exit code (1: the model's run
+failed; 2: a module tree tfcli cannot walk), with no traceback and no hang, whether it
+happens while the model's file is imported, while it is built or in its forward pass.
+
+Cases run in this process (Typer's runner) where that shows the behaviour; here os._exit is a
+stand-in that raises, so the old behaviour fails the test instead of ending pytest. A crash, a
+thread at exit and one real os._exit run as `python -m tfcli`, two at a time, all before the
+first assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit
+
+# What the model's code does, and the words tfcli's line must hold.
+ACTIONS = {
+    "os-exit": ("import os\nos._exit(3)", "the model called os._exit(3)"),
+    "base-exception": ("class Halt(BaseException):\n    pass\nraise Halt('no more')",
+                       "the model raised Halt: no more"),
+    "generator-exit": ("raise GeneratorExit('closed')", "the model raised GeneratorExit: closed"),
+    "keyboard-interrupt": ("raise KeyboardInterrupt",
+                           "the model raised KeyboardInterrupt itself (no Ctrl-C or signal came)"),
+    "segfault": ("import ctypes\nctypes.string_at(0)",
+                 "the model crashed the process with a segmentation fault (SIGSEGV)"),
+    "thread": ("import threading, time\n"
+               "if not any(t.name == 'spin' for t in threading.enumerate()):\n"
+               "    threading.Thread(target=time.sleep, args=(3600,), name='spin').start()",
+               "tfcli: note: the model left 1 thread running (spin)"),
+    "sigint": ("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)",
+               "tfcli: interrupted (Ctrl-C)"),
+}
+STAGES = {"import": "while m.py was imported", "constructor": "while it was built",
+          "forward": "forward pass"}
+COMMANDS = {
+    "params": ["params", "--seq-len", "4"],  # the fake-tensor replay runs the forward pass
+    "shapes": ["shapes"],
+    "masks": ["masks", "--check"],
+    "bench": ["bench", "--what", "model", "--seq-lens", "4", "--pass", "fwd",
+              "--min-time", "0.005", "--max-time", "0.02"],
+}
+
+
+def model_file(action: str, stage: str) -> str:
+    """A model whose code does ``action`` in ``stage``."""
+    call = {s: "act()" if s == stage else "pass" for s in STAGES}
+    return f"""import torch
+
+
+def act():
+{textwrap.indent(ACTIONS[action][0], "    ")}
+
+
+{call["import"]}
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        {call["constructor"]}
+
+    def forward(self, x):
+        {call["forward"]}
+        return self.proj(x)
+"""
+
+
+def arguments(command: str, model: str = "m.py:M") -> list[str]:
+    shape = "x=float32[B,L,4]" if command == "bench" else "x=float32[B,4]"
+    return [*COMMANDS[command], "--model", model, "--input", shape]
+
+
+def run_here(where, monkeypatch, args: list[str]):
+    from typer.testing import CliRunner
+
+    from tfcli.cli import app
+
+    monkeypatch.chdir(where)
+    return CliRunner().invoke(app, args, env={"COLUMNS": "100", "NO_COLOR": "1",
+                                              "TFCLI_TRACEBACK": None})
+
+
+def one_line(stderr: str, command: str) -> str:
+    """The line that says it; bench prints a line per cell first, then its own last line."""
+    assert "Traceback" not in stderr and "internal error" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("tfcli: "), stderr
+    if command != "bench":
+        assert len(lines) == 1, stderr
+    return stderr
+
+
+class Escaped(Exception):
+    """The model's os._exit() reached the interpreter's own: tfcli did not stand in for it."""
+
+
+# --- in this process: what would end tfcli is a failed run, exit 1 ---------------------------
+
+
+def _in_process_cases():
+    """os._exit and KeyboardInterrupt (which bench's sweep and Ctrl-C handling also meet) in
+    every command's forward pass, the BaseExceptions in two each; in the import and the
+    constructor, which every command reaches by the same code, one command each, in turn."""
+    names = list(COMMANDS)
+    forward = {"os-exit": names, "base-exception": ["params", "masks"],
+               "generator-exit": ["shapes", "bench"], "keyboard-interrupt": names}
+    for i, (action, commands) in enumerate(forward.items()):
+        yield action, "import", names[i]
+        yield action, "constructor", names[(i + 1) % len(names)]
+        yield from ((action, "forward", command) for command in commands)
+
+
+@pytest.mark.parametrize("action,stage,command", list(_in_process_cases()),
+                         ids=lambda v: str(v))
+def test_what_would_end_tfcli_is_a_failed_run(tmp_path, monkeypatch, action, stage, command):
+    """os._exit() (exit code 3, nothing printed), a BaseException or GeneratorExit (a
+    traceback), a KeyboardInterrupt the model raised itself (reported as Ctrl-C, 130): each
+    becomes one line naming what the model did and where, exit 1."""
+    def escaped(code):
+        raise Escaped(f"os._exit({code}) reached the interpreter")
+
+    monkeypatch.setattr(os, "_exit", escaped)
+    (tmp_path / "m.py").write_text(model_file(action, stage))
+    result = run_here(tmp_path, monkeypatch, arguments(command))
+    assert result.exit_code == 1, (result.exit_code, result.stderr, result.exception)
+    stderr = one_line(result.stderr, command)
+    assert ACTIONS[action][1] in stderr and STAGES[stage] in stderr, stderr
+    assert os._exit is escaped  # put back as it was
+
+
+def test_a_module_named_by_import_path_says_where_too(tmp_path, monkeypatch):
+    """--model package.module:NAME: the line points at the model's own line, not at the
+    stand-in for os._exit that raised for it."""
+    monkeypatch.setattr(os, "_exit", lambda code: pytest.fail("os._exit reached"))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # tfcli appends the working directory
+    (tmp_path / "exits_on_import_25.py").write_text(model_file("os-exit", "import"))
+    result = run_here(tmp_path, monkeypatch, arguments("params", "exits_on_import_25:M"))
+    assert result.exit_code == 1, (result.exit_code, result.stderr, result.exception)
+    assert (f"the model called os._exit(3) while exits_on_import_25 was imported "
+            f"({tmp_path / 'exits_on_import_25.py'}:6)") in one_line(result.stderr, "params")
+
+
+@pytest.mark.parametrize("command", ["shapes", "masks"])
+def test_a_real_ctrl_c_in_the_forward_pass_is_still_130(tmp_path, monkeypatch, command):
+    """SIGINT while the model runs is the user's Ctrl-C, not the model's doing."""
+    (tmp_path / "m.py").write_text(model_file("sigint", "forward"))
+    result = run_here(tmp_path, monkeypatch, arguments(command))
+    assert result.exit_code == 130 and result.stderr == "tfcli: interrupted (Ctrl-C)\n", (
+        result.exit_code, result.stderr)
+
+
+def test_tfcli_own_exit_ends_the_process_while_the_model_runs(monkeypatch):
+    """A second SIGTERM arriving while the model runs ends tfcli with os._exit(143) from its
+    signal handler: that call reaches the interpreter's os._exit, the model's do not."""
+    from tfcli.cli import signals
+    from tfcli.subjects import contain
+
+    ended = []
+
+    def real_exit(code):
+        ended.append(code)
+        raise Escaped(code)
+
+    monkeypatch.setattr(contain, "REAL_EXIT", real_exit)
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data))  # the handler's own line
+    with contain.contained("in its forward pass"):
+        with pytest.raises(contain.OsExitCalled):
+            os._exit(3)  # as the model would: raised for tfcli to report
+        with pytest.raises(Escaped):
+            signals._exit_now(signal.SIGTERM, "terminated (SIGTERM) while stopping")
+    assert ended == [143]
+
+
+# --- module trees tfcli cannot walk: exit 2, one line ------------------------------------------
+
+TREES = """import torch
+from torch import nn
+
+
+class Holds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def itself():
+    model = Holds()
+    model.add_module("me", model)
+    return model
+
+
+def each_other():
+    a, b = Holds(), Holds()
+    a.add_module("b", b)
+    b.add_module("a", a)
+    return a
+
+
+class Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def deep(levels=5000):
+    model = Holds()
+    for _ in range(levels):
+        model = Wrap(model)
+    return model
+
+
+def shared():
+    # the same layer under two parents, nested 60 deep: tied, not a cycle, and walkable
+    layer = Holds()
+    model = nn.Sequential(layer, layer)
+    for _ in range(60):
+        model = Wrap(model)
+    return model
+"""
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("name,words", [
+    ("itself", "module tree has a cycle through 'me', which is (model) (Holds) again"),
+    ("each_other", "module tree has a cycle through 'b.a', which is (model) (Holds) again"),
+    ("deep", "the model's modules are nested 5,002 levels deep, beyond the 100 levels"),
+], ids=["holds-itself", "two-hold-each-other", "5000-levels"])
+def test_a_module_tree_tfcli_cannot_walk_is_refused(tmp_path, monkeypatch, command, name,
+                                                      words):
+    """A cycle or 5,000 nested modules: RecursionError, exit 70 before; one line, exit 2."""
+    (tmp_path / "trees.py").write_text(TREES)
+    result = run_here(tmp_path, monkeypatch, arguments(command, f"trees.py:{name}"))
+    assert result.exit_code == 2, (result.exit_code, result.stderr, result.exception)
+    assert words in one_line(result.stderr, command)
+
+
+def test_a_shared_module_is_not_a_cycle(tmp_path, monkeypatch):
+    """One layer under two parents (tied weights), 63 levels deep: inspected as before."""
+    (tmp_path / "trees.py").write_text(TREES)
+    result = run_here(tmp_path, monkeypatch, arguments("shapes", "trees.py:shared"))
+    assert result.exit_code == 0, (result.exit_code, result.stderr, result.exception)
+
+
+# --- in a process of its own: a crash, a real os._exit, a thread left running ----------------
+
+PROCESS_CASES = [  # (action, stage, command, exit code)
+    ("segfault", "import", "bench", 1),
+    ("segfault", "constructor", "masks", 1),
+    ("segfault", "forward", "shapes", 1),
+    ("os-exit", "forward", "params", 1),
+    ("thread", "import", "params", 0),  # the thread outlives the answer: the command's own code
+    ("thread", "forward", "shapes", 0),
+]
+
+
+def _process(case, where):
+    action, stage, command, _ = case
+    (where / "m.py").write_text(model_file(action, stage))
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+    for name in ("TFCLI_TRACEBACK", "PYTHONFAULTHANDLER"):
+        env.pop(name, None)
+    try:
+        return subprocess.run([sys.executable, "-m", "tfcli", *arguments(command)], cwd=where,
+                              env=env, capture_output=True, text=True, preexec_fn=limits,
+                              timeout=60)
+    except subprocess.TimeoutExpired as hung:
+        return hung
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes(request, tmp_path_factory):
+    """The selected process cases, two at a time (the machine has two cores), started with
+    the module's first test so that they run while the in-process tests do."""
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if item.originalname == "test_the_process_ends_with_one_line"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {case: pool.submit(_process, case, tmp_path_factory.mktemp(case[0]))
+               for case in PROCESS_CASES if case in selected}
+
+
+@pytest.mark.parametrize("case", PROCESS_CASES, ids=lambda c: "-".join(map(str, c[:3])))
+def test_the_process_ends_with_one_line(processes, case):
+    """A crash (exit -11, nothing printed before), os._exit (the model's code, nothing
+    printed) and a non-daemon thread (tfcli waited for it for ever) each end the process
+    promptly, with one line naming what the model did."""
+    action, stage, command, code = case
+    result = processes[case].result()
+    assert not isinstance(result, subprocess.TimeoutExpired), "tfcli did not end in 60 s"
+    assert result.returncode == code, (result.returncode, result.stderr[-2000:])
+    stderr = one_line(result.stderr, command)
+    assert ACTIONS[action][1] in stderr, stderr
+    if action != "thread":
+        assert STAGES[stage] in stderr, stderr
