@@ -8,8 +8,8 @@ happens while the model's file is imported, while it is built or in its forward 
 
 Cases run in this process (Typer's runner) where that shows the behaviour; here os._exit is a
 stand-in that raises, so the old behaviour fails the test instead of ending pytest. A crash, a
-thread at exit and one real os._exit run as `python -m tfcli`, two at a time, all before the
-first assertion.
+thread at exit and one real os._exit run as `python -m tfcli` in the background job queue
+(tests/background.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+
+import background
 
 LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit
 
@@ -273,33 +276,43 @@ PROCESS_CASES = [  # (action, stage, command, exit code)
 ]
 
 
-def _process(case, where):
+def _process(case, where: Path) -> tuple[int, str] | None:
+    """(exit code, stderr) of one case as the console script; None if it did not end in
+    60 s (then it is killed)."""
     action, stage, command, _ = case
     (where / "m.py").write_text(model_file(action, stage))
 
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
 
-    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+    env = {**background.session_env(), "COLUMNS": "100", "NO_COLOR": "1"}
     for name in ("TFCLI_TRACEBACK", "PYTHONFAULTHANDLER"):
         env.pop(name, None)
+    proc = background.popen([sys.executable, "-m", "tfcli", *arguments(command)], cwd=where,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=limits)
     try:
-        return subprocess.run([sys.executable, "-m", "tfcli", *arguments(command)], cwd=where,
-                              env=env, capture_output=True, text=True, preexec_fn=limits,
-                              timeout=60)
-    except subprocess.TimeoutExpired as hung:
-        return hung
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None
+    return proc.returncode, err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def processes(request, tmp_path_factory):
-    """The selected process cases, two at a time (the machine has two cores), started with
-    the module's first test so that they run while the in-process tests do."""
-    selected = {item.callspec.params["case"] for item in request.session.items
-                if item.originalname == "test_the_process_ends_with_one_line"}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {case: pool.submit(_process, case, tmp_path_factory.mktemp(case[0]))
-               for case in PROCESS_CASES if case in selected}
+@pytest.fixture(scope="module")
+def processes():
+    return background.result("user_code_processes")
+
+
+@background.job("user_code_processes")
+def _processes() -> dict:
+    """Every process case, one after another, each in a directory of its own."""
+    out = {}
+    for case in PROCESS_CASES:
+        with tempfile.TemporaryDirectory(prefix="tfcli-user-code-") as where:
+            out[case] = _process(case, Path(where))
+    return out
 
 
 @pytest.mark.parametrize("case", PROCESS_CASES, ids=lambda c: "-".join(map(str, c[:3])))
@@ -308,10 +321,11 @@ def test_the_process_ends_with_one_line(processes, case):
     printed) and a non-daemon thread (tfcli waited for it for ever) each end the process
     promptly, with one line naming what the model did."""
     action, stage, command, code = case
-    result = processes[case].result()
-    assert not isinstance(result, subprocess.TimeoutExpired), "tfcli did not end in 60 s"
-    assert result.returncode == code, (result.returncode, result.stderr[-2000:])
-    stderr = one_line(result.stderr, command)
+    result = processes[case]
+    assert result is not None, "tfcli did not end in 60 s"
+    returncode, stderr = result
+    assert returncode == code, (returncode, stderr[-2000:])
+    stderr = one_line(stderr, command)
     assert ACTIONS[action][1] in stderr, stderr
     if action != "thread":
         assert STAGES[stage] in stderr, stderr
