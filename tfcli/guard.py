@@ -121,6 +121,31 @@ def _address_space_available() -> int | None:
     return max(0, soft - used)
 
 
+# The address space `import torch` maps, measured as the smallest RLIMIT_AS under which
+# `python -c "import torch"` works, less what the interpreter had mapped before: about 0.6 GB
+# (606-612 MiB; torch 2.13, CPU build, Linux x86-64, 2 cores). Address space, not resident
+# memory: torch's shared libraries are mapped whole and only touched in part. Below it, loading
+# torch fails as an ImportError, a MemoryError, or a C++ std::bad_alloc that aborts the process.
+# A little under the figure, so that no limit under which torch would load is refused.
+TORCH_ADDRESS_SPACE = 600 * 2**20
+
+
+def torch_address_space_note(short_only: bool = True) -> str | None:
+    """This process's address-space limit (RLIMIT_AS, ``ulimit -v``) and torch's need, in
+    words for an error line; None when there is no limit, or (``short_only``) when it leaves
+    torch room."""
+    free = _address_space_available()
+    if free is None or (short_only and free >= TORCH_ADDRESS_SPACE):
+        return None
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return (f"this process may map {gib(limit)} of address space (RLIMIT_AS, ulimit -v), "
+            f"{gib(free)} of it still free, and loading torch alone maps about 0.6 GB (address "
+            f"space, not resident memory; a command needs more); raise the limit to 1 GB or "
+            f"more")
+
+
 def available(device: str = "cpu", max_memory: int | None = None) -> Budget:
     """What a run on ``device`` may allocate: ``max_memory`` when given, else the tightest
     limit this process is under."""

@@ -372,9 +372,10 @@ def _add_fit_columns(csv_out: AtomicFile, fitted) -> None:
 
 
 def _profiler(directory: Path):
-    """A callback writing a short torch.profiler trace of each measured cell."""
+    """A callback writing a short torch.profiler trace of each measured cell, whole or not at
+    all (:func:`_write_trace`). A trace that could not be written ends the sweep (exit 1)."""
     def after_cell(record, prepared) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+        from torch.profiler import ProfilerActivity, profile, schedule
 
         from tfcli.inspection.memory import quiet_native_stderr
 
@@ -386,16 +387,53 @@ def _profiler(directory: Path):
         if record.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
         name = f"{record.kernel}_{record.pass_}_L{record.seq_len}_{record.device}_{record.dtype}"
-        handler = tensorboard_trace_handler(str(directory), worker_name=name)
+        failed: list[OSError] = []
+
+        def on_trace_ready(prof) -> None:
+            # raised from here, an error unwinds through the profiler mid-step, which crashes
+            # the process (SIGSEGV, torch 2.13): kept, and raised once the profiler is done
+            try:
+                _write_trace(prof, directory, name)
+            except OSError as error:
+                failed.append(error)
+
         try:
             with quiet_native_stderr(), profile(activities=activities, profile_memory=True,
                                                 record_shapes=True, acc_events=True,
                                                 schedule=schedule(wait=0, warmup=1, active=2),
-                                                on_trace_ready=handler) as prof:
+                                                on_trace_ready=on_trace_ready) as prof:
                 for _ in range(3):
                     prepared.run()
                     prof.step()
-        except (OSError, RuntimeError) as error:  # e.g. a full disk under the trace directory
+        except (OSError, RuntimeError) as error:  # the profiler itself failed
             raise _WriteFailed(f"--profile {str(directory)!r}: {error}") from None
+        if failed:
+            raise _WriteFailed(f"--profile {str(directory)!r}: "
+                               f"{failed[0].strerror or failed[0]}") from None
 
     return after_cell
+
+
+def _write_trace(prof, directory: Path, name: str) -> None:
+    """``prof``'s Chrome trace as ``directory/name.<ns>.pt.trace.json`` (as TensorBoard's
+    ``tensorboard_trace_handler`` names it), whole or not at all. torch's export (Kineto)
+    reports no failed write: on a full disk it left an empty or truncated file, and the run
+    said it had written it. So it writes to a temporary name, what it wrote is read back, and
+    only whole JSON is renamed into place; otherwise OSError, and nothing is left (Kineto's own
+    temporary file, the name plus ".tmp", included)."""
+    import json
+    import time
+
+    out = AtomicFile(directory / f"{name}.{time.time_ns()}.pt.trace.json")
+    kineto_temp = Path(f"{out.temp}.tmp")
+    try:
+        prof.export_chrome_trace(str(out.temp))
+        try:
+            json.loads(out.temp.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            raise OSError("the trace was not written whole (is the disk full?)") from None
+        out.commit()
+    except BaseException:
+        out.discard()
+        kineto_temp.unlink(missing_ok=True)
+        raise

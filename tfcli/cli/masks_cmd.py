@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -351,10 +352,12 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     windows: dict[str, int] = {}
     for text in window_text or []:
         name, sep, value = text.partition("=")
-        if not sep or not name.strip().isidentifier() or not value.strip().isdigit() \
+        # ASCII digits (isdigit() passes "²", which int() refuses), no more than 2**31 - 1 has
+        if not sep or not name.strip().isidentifier() \
+                or not re.fullmatch(r"[0-9]{1,10}", value.strip()) \
                 or not 0 < int(value) <= 2**31 - 1:
-            raise TfcliError(f"--window {text!r}: expected NAME=W with W a positive number of "
-                             f"positions, e.g. --window ids=4")
+            raise TfcliError(f"--window {text[:100]!r}: expected NAME=W with W a positive number "
+                             f"of positions, e.g. --window ids=4")
         if name.strip() in windows:
             raise TfcliError(f"--window {name.strip()} is given twice; give it once")
         windows[name.strip()] = int(value)
@@ -363,6 +366,8 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         raise TfcliError("--lengths: give the same number of sequences for every input")
     if pad_id is not None and not lengths and not causal:
         raise TfcliError("--pad-id pads the sequences --lengths describes; add --lengths NAME=N,N")
+    if pad_id is not None and not 0 <= pad_id <= 2**63 - 1:  # ids are int64 tensors
+        raise TfcliError(f"--pad-id {pad_id}: a token id is from 0 to {2**63 - 1:,} (int64)")
     dims = sizes(subject, batches.pop() if batches else 2, 9, 7, dim)
     bound = {text.partition("=")[0].strip() for text in dim or []}
     padded = set()

@@ -168,6 +168,10 @@ def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int
     parts = text.replace(" ", "").split(",")
     # ASCII digits only: int() also takes "６４" and "6_4", which no one means as a length
     if all(part.isascii() and part.isdigit() for part in parts):
+        longest = max(parts, key=len)
+        if len(longest) > 40:  # int() refuses more than 4,300 digits; no size has 40
+            raise TfcliError(f"{option} {text[:60]!r}…: a {len(longest)}-digit number is beyond "
+                             f"any size")
         values = [int(part) for part in parts]
     else:
         values = []

@@ -1,7 +1,9 @@
 """Output files (--csv, --plot, --profile, --png): checked before any work, written atomically.
 
 A file is written to a temporary name beside it and renamed into place only when complete, so a
-failed or interrupted run leaves an existing file byte for byte as it was.
+failed or interrupted run leaves an existing file byte for byte as it was. An output that is a
+symbolic link is written through it: the temporary file goes beside the link's target and is
+renamed onto the target, so the link stays a link.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def check_outputs(*outputs: Output) -> None:
                                      f"link); give a file name")
                 if not os.access(path, os.W_OK):
                     raise TfcliError(f"{where}: exists and is not writable")
-            _writable_dir(path.parent, where)
+            _writable_dir(written_path(path).parent, where)  # where the temporary file goes
         key = path.resolve()
         if key in seen:
             raise TfcliError(f"{seen[key]} and {out.option} both name {str(path)!r}; give each "
@@ -107,14 +109,23 @@ def remove_pending() -> None:
     _PENDING.clear()
 
 
+def written_path(path: Path) -> Path:
+    """The file a write to ``path`` replaces: the target of a symbolic link (renaming onto the
+    link would replace the link with a regular file), else ``path`` itself."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 class AtomicFile:
     """A file written under a temporary name in the target's directory; :meth:`commit` renames
-    it into place, :meth:`discard` removes it. Either way the target is never half-written."""
+    it into place, :meth:`discard` removes it. Either way the target is never half-written.
+    ``path`` is the name the user gave (for messages); ``target`` is the file replaced, the
+    link's target when ``path`` is a symbolic link."""
 
     def __init__(self, path: Path, newline: str | None = None) -> None:
         self.path = path
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                    suffix=f".tmp{path.suffix}")
+        self.target = written_path(path)
+        fd, name = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.",
+                                    suffix=f".tmp{self.target.suffix}")
         self.temp = Path(name)
         _PENDING.add(self.temp)
         os.close(fd)
@@ -129,10 +140,10 @@ class AtomicFile:
     def commit(self) -> None:
         if self._file is not None:
             self._file.close()
-        mode = (os.stat(self.path).st_mode & 0o7777 if self.path.exists()
+        mode = (os.stat(self.target).st_mode & 0o7777 if self.target.exists()
                 else 0o666 & ~_umask())
         os.chmod(self.temp, mode)  # mkstemp makes 0600; keep the file's or the umask's
-        os.replace(self.temp, self.path)
+        os.replace(self.temp, self.target)
         _PENDING.discard(self.temp)
 
     def discard(self) -> None:

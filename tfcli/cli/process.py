@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -91,7 +92,8 @@ def _prepare_process() -> None:
                 stream.reconfigure(errors="tfcli-ascii")
     columns = os.environ.get("COLUMNS")
     if columns is not None:
-        width = int(columns) if columns.strip().isdigit() and len(columns) < 8 else MIN_WIDTH
+        # ASCII digits only: isdigit() is also true of "²", which int() refuses
+        width = int(columns) if re.fullmatch(r"\s*[0-9]{1,7}\s*", columns) else MIN_WIDTH
         os.environ["COLUMNS"] = str(min(max(width, MIN_WIDTH), MAX_WIDTH))
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     # A user's forward failing on fake tensors is one tfcli line; torch's fake-tensor logger

@@ -1,5 +1,6 @@
-"""Ctrl-C and SIGTERM: what a signal does while a command runs, while it is being stopped, and
-after it has ended. The exit codes are 130 (SIGINT) and 143 (SIGTERM)."""
+"""Ctrl-C, SIGTERM and SIGHUP: what a signal does while a command runs, while it is being
+stopped, and after it has ended. The exit code is 128 + the signal's number: 130 (SIGINT),
+143 (SIGTERM), 129 (SIGHUP)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,21 @@ import os
 
 from tfcli.cli.outputs import remove_pending
 
-INTERRUPTED, TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+INTERRUPTED, TERMINATED, HUNG_UP = 130, 143, 129  # 128 + SIGINT, SIGTERM, SIGHUP
 
 
 def _signal_line(signum: int) -> str:
     import signal
 
-    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
+    return {signal.SIGTERM: "terminated (SIGTERM)",
+            signal.SIGHUP: "hung up (SIGHUP)"}.get(signum, "interrupted (Ctrl-C)")
 
 
 def _exit_now(signum: int, message: str | None) -> None:
-    """End the process at once with 130 or 143: temporary outputs removed (existing files are
-    untouched: they are only ever replaced by a rename), the cursor shown, ``message`` on
-    stderr. Only raw writes: the code interrupted may be inside a write to the same stream,
-    where a second buffered write would raise (a traceback)."""
-    import signal
-
+    """End the process at once with 128 + ``signum``: temporary outputs removed (existing
+    files are untouched: they are only ever replaced by a rename), the cursor shown,
+    ``message`` on stderr. Only raw writes: the code interrupted may be inside a write to the
+    same stream, where a second buffered write would raise (a traceback)."""
     remove_pending()
     try:
         if os.isatty(2):
@@ -31,14 +31,25 @@ def _exit_now(signum: int, message: str | None) -> None:
             os.write(2, f"tfcli: {message}\n".encode("ascii", "replace"))
     except OSError:
         pass
-    os._exit(TERMINATED if signum == signal.SIGTERM else INTERRUPTED)
+    os._exit(128 + signum)
+
+
+def hang_up_ignored() -> bool:
+    """Whether SIGHUP was ignored when tfcli started (``nohup tfcli ...``): it stays ignored."""
+    import signal
+
+    return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
 class Signals:
     """SIGINT and SIGTERM both raise KeyboardInterrupt where the program is (so a sweep keeps
     what it measured); which one arrived decides the exit code, 130 or 143. A second one while
     the first is being handled (partial results printed, outputs written, the terminal
-    restored) ends the process at once, in one line, with no traceback."""
+    restored) ends the process at once, in one line, with no traceback.
+
+    SIGHUP (the terminal was closed) ends the process at once, in one line, exit 129: what
+    would be printed has no terminal to go to, and as after a second signal, temporary outputs
+    are removed and existing files are as they were. Under ``nohup`` it stays ignored."""
 
     own_process = False  # tfcli's entry point: after the command, a signal ends the process
 
@@ -53,6 +64,10 @@ class Signals:
         self.received = signum
         raise KeyboardInterrupt
 
+    def _hang_up(self, signum, frame) -> None:
+        _exit_now(signum, f"{_signal_line(signum)}: ended at once, without finishing; "
+                          f"existing output files are as they were")
+
     def _after(self, signum, frame) -> None:
         """The command has ended and the process is exiting: a signal now ends it there (the
         line is printed unless one already was)."""
@@ -65,6 +80,8 @@ class Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._saved[sig] = signal.signal(sig, self._handle)
+            if not hang_up_ignored():
+                self._saved[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._hang_up)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,6 +17,7 @@ it runs (the dropout calls taken out), its counts equal this mode's (tests/test_
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from typing import Any
 
@@ -247,19 +248,91 @@ def render(records: list[dict], console) -> None:
         console.print(first["note"])
 
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# What a rank reads from torchrun's environment (env:// rendezvous); torchrun also sets
+# LOCAL_RANK, which is checked when it is there.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Seconds a rank waits at the rendezvous for the others: torchrun starts them together, so a
+# peer that has not come by then never will (variables left in the environment, say).
+RENDEZVOUS_S = 120.0
 
 
 def torchrun_world() -> int | None:
     """The world size when torchrun (or any launcher that sets its environment variables)
-    started this process as one rank; None when tfcli is to start its own ranks."""
-    if not all(os.environ.get(name) for name in TORCHRUN_VARS):
+    started this process as one rank; None when tfcli is to start its own ranks. RANK or
+    WORLD_SIZE makes this process a rank; then every variable the rendezvous reads must be
+    there and valid, else one line names it (torch would fail with a traceback, or wait)."""
+    env = os.environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
         return None
-    try:
-        return int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        raise TfcliError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} (set by the launcher): "
-                         f"expected a whole number of processes") from None
+    missing = [name for name in TORCHRUN_VARS if not env.get(name, "").strip()]
+    if missing:
+        raise TfcliError(f"{', '.join(missing)}: not set or empty, but RANK or WORLD_SIZE is "
+                         f"set, as if torchrun started this process; a rank needs all of "
+                         f"{', '.join(TORCHRUN_VARS)}: set them, or unset them all to run in "
+                         f"this process")
+    world = _env_int("WORLD_SIZE", 1, 1024, "the number of ranks")
+    _env_int("RANK", 0, world - 1, f"this rank's number, below WORLD_SIZE={world}")
+    if env.get("LOCAL_RANK") is not None:
+        _env_int("LOCAL_RANK", 0, world - 1, "this rank's number on its machine")
+    _env_int("MASTER_PORT", 1, 65535, "the rendezvous port")
+    return world
+
+
+def _env_int(name: str, low: int, high: int, what: str) -> int:
+    """The integer in environment variable ``name``, from ``low`` to ``high``, or one line
+    naming the variable, its value and what is allowed."""
+    text = os.environ[name].strip()
+    if not re.fullmatch(r"[0-9]{1,10}", text) or not low <= int(text) <= high:
+        raise TfcliError(f"{name}={os.environ[name][:40]!r} in the environment (torchrun's): "
+                         f"expected {what}, an integer from {low} to {high}")
+    return int(text)
+
+
+def _rendezvous(rank: int, world: int, wait: float):
+    """The store the ranks meet at, at MASTER_ADDR:MASTER_PORT as env:// would make it (rank 0
+    hosts it, unless torchrun's agent does). torch waits for the peers in native code, where
+    neither Ctrl-C nor SIGTERM reaches Python: it waits in a thread of its own here, so that a
+    signal ends the run as usual. No peer within ``wait`` seconds is one line (exit 1)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tfcli.inspection.memory import quiet_native_stderr
+    from tfcli.parallel.launch import RankError
+    from tfcli.subjects.base import error_text
+
+    host, port = os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"])
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    met: dict = {}
+
+    def meet() -> None:
+        try:
+            met["store"] = dist.TCPStore(host, port, world, hosts,
+                                         timeout=datetime.timedelta(seconds=wait))
+        except Exception as error:  # noqa: BLE001 - told below, in one line
+            met["error"] = error
+
+    thread = threading.Thread(target=meet, name="tfcli-rendezvous", daemon=True)
+    with quiet_native_stderr():  # c10d logs each failed connect with its C++ stack
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)  # a signal's handler runs here, between joins
+    if "store" in met:
+        return met["store"]
+    where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
+    if "timed out" not in str(met["error"]).lower():
+        raise RankError(rank, f"rank {rank} of {world}: the rendezvous at {where} failed: "
+                              f"{error_text(met['error'])}")
+    if hosts:
+        raise RankError(rank, f"no peer came: rank 0 of {world} waited {wait:g} s at {where} "
+                              f"for the other {world - 1} rank(s); start them all (torchrun "
+                              f"--nproc-per-node {world} ...), or unset RANK and WORLD_SIZE to "
+                              f"run in this process")
+    host_of = "rank 0" if rank else "torchrun's agent (TORCHELASTIC_USE_AGENT_STORE=True)"
+    raise RankError(rank, f"no rendezvous: rank {rank} of {world} found no store at {where} "
+                          f"within {wait:g} s; {host_of} hosts it: start it, or unset RANK "
+                          f"and WORLD_SIZE to run in this process")
 
 
 def _under_torchrun(cfg_dict: dict, strategy: str, backend: str, batch: int,
@@ -271,8 +344,11 @@ def _under_torchrun(cfg_dict: dict, strategy: str, backend: str, batch: int,
 
     import torch.distributed as dist
 
-    device = check_backend(backend, int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    world = int(os.environ["WORLD_SIZE"])
+    device = check_backend(backend, world)
+    store = _rendezvous(int(os.environ["RANK"]), world, RENDEZVOUS_S)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         cells = bench_worker(rank, world, [strategy], cfg_dict, batch, lengths, steps, seed,
@@ -312,10 +388,14 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
     if world is None:
         return _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
                           csv_path, world)
-    if os.environ["RANK"] != "0":
+    if int(os.environ["RANK"]) != 0:
+        from tfcli.parallel.launch import RankError
+
         try:  # every rank checks; rank 0 alone says why (torchrun's report follows anyway)
             _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
                        csv_path, world)
+        except RankError:  # this rank's own failure (its rendezvous): it says so itself
+            raise
         except TfcliError as error:
             import signal
             import time
@@ -355,6 +435,10 @@ def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend:
     cfg_dict = {**cfg.to_dict(), "dropout": 0.0}
     check_backend(backend or "gloo", nproc)
     _check(cfg_dict, nproc, strategy, batch)
+    longest = max(lengths)  # checked here, not by each rank once they have all started
+    if cfg_dict["positional"] != "none" and longest > cfg_dict["max_seq_len"]:
+        raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg_dict['max_seq_len']}; "
+                         f"add --set max_seq_len={longest}")
     if world is not None:
         records = _under_torchrun(cfg_dict, strategy, backend or "gloo", batch, lengths, seed)
         if records is None:

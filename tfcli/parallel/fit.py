@@ -30,10 +30,10 @@ def parse_device_memory(text: str) -> tuple[int, str]:
         raise TfcliError(f"--device-memory {text!r}: expected a size such as 80GiB or 40GB, "
                          f"or a device: {', '.join(DEVICES)}"
                          f"{did_you_mean(key, [d.upper() for d in DEVICES])}")
-    size = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-    if size <= 0:
-        raise TfcliError(f"--device-memory {text!r}: must be positive")
-    return size, text.strip()
+    size = float(match.group(1)) * _UNITS[match.group(2) or ""]  # 400 digits: inf
+    if not 1 <= size <= 2**60:
+        raise TfcliError(f"--device-memory {text[:60]!r}: must be between 1 byte and 1 EiB")
+    return int(size), text.strip()
 
 
 def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> int | None:

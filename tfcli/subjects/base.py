@@ -142,6 +142,20 @@ class Inputs:
         return Inputs(tuple(args), self.kwargs)
 
 
+MAX_DIM = 2**40  # one size of --input or --dim, far above any real one (products: check_bytes)
+MAX_TENSOR_BYTES = 2**63 - 1  # torch counts a tensor's bytes in an int64, even on meta
+
+
+def _size_in(text: str, high: int) -> int | None:
+    """``text`` as an integer from 1 to ``high``, else None. ASCII digits only: ``isdigit()``
+    is also true of "²", which int() refuses, and int() refuses more than 4,300 digits."""
+    text = text.strip()
+    if not re.fullmatch(r"[0-9]+", text) or len(text.lstrip("0")) > len(str(high)):
+        return None
+    value = int(text)
+    return value if 1 <= value <= high else None
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """One ``--input NAME=DTYPE[DIMS]<HIGH``: a tensor made for the model."""
@@ -155,10 +169,26 @@ class InputSpec:
         if missing:
             raise TfcliError(f"--input {self.name}: no size for {', '.join(missing)}; bind it "
                              f"with --dim {missing[0]}=SIZE")
-        return [sizes[d] if isinstance(d, str) else d for d in self.dims]
+        shape = [sizes[d] if isinstance(d, str) else d for d in self.dims]
+        self.check_bytes(shape)
+        return shape
+
+    def check_bytes(self, shape: list[int]) -> None:
+        """Each size is within MAX_DIM, but their product need not fit a tensor: torch would
+        fail with "Storage size calculation overflowed"."""
+        from math import prod
+
+        elements, itemsize = prod(shape), DTYPES[self.dtype].itemsize
+        if elements * itemsize > MAX_TENSOR_BYTES:
+            axes = ", ".join(f"{d}={n}" if isinstance(d, str) else str(n)
+                             for d, n in zip(self.dims, shape))
+            raise TfcliError(f"--input {self.name}: [{axes}] is {elements:.3g} elements of "
+                             f"{itemsize} bytes ({self.dtype}), more than a tensor can hold "
+                             f"(2**63 bytes); use smaller sizes")
 
 
-_SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([A-Za-z0-9]+)\s*\[([^\]]*)\]\s*(?:<\s*(\d+))?\s*$")
+_SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([A-Za-z0-9]+)\s*\[([^\]]*)\]\s*"
+                   r"(?:<\s*([0-9]+))?\s*$")
 
 
 def parse_input(text: str) -> InputSpec:
@@ -172,29 +202,40 @@ def parse_input(text: str) -> InputSpec:
                          f"{', '.join(sorted(set(DTYPES)))}")
     dims: list[str | int] = []
     for part in (p.strip() for p in dims_text.split(",")):
-        if part.isdigit() and 0 < int(part) <= 2**40:  # --dim's bound: beyond, sizes overflow
-            dims.append(int(part))
+        size = _size_in(part, MAX_DIM)
+        if size is not None:
+            dims.append(size)
         elif re.fullmatch(r"[A-Za-z_]\w*", part or "-"):
             dims.append(part)
         else:
             raise TfcliError(f"--input {text!r}: each dimension is a letter bound by --dim "
-                             f"(B, S, T, L, ...) or a positive integer up to 2**40, got {part!r}")
+                             f"(B, S, T, L, ...) or a positive integer up to 2**40, got "
+                             f"{part[:40]!r}")
     if high is not None and (DTYPES[dtype].is_floating_point or DTYPES[dtype] == torch.bool):
         raise TfcliError(f"--input {text!r}: '<{high}' bounds the ids of an integer input "
                          f"(int64, int32); a {dtype} input takes no bound, e.g. "
                          f"{name}=int64[{dims_text.strip()}]<{high}, or drop '<{high}'")
-    if high is not None and int(high) < 1:
-        raise TfcliError(f"--input {text!r}: '<{high}' draws ids from 0 to N-1, so N must be "
-                         f"at least 1")
-    return InputSpec(name, dtype, tuple(dims), int(high) if high else None)
+    high_value = None
+    if high is not None:
+        largest = torch.iinfo(DTYPES[dtype]).max  # ids are drawn below N, in the input's dtype
+        high_value = _size_in(high, largest)
+        if high_value is None:
+            shown = high if len(high) <= 40 else f"a {len(high)}-digit number"
+            raise TfcliError(f"--input {name}: '<{shown}' draws ids from 0 to N-1, so N must "
+                             f"be at least 1 and at most {largest:,} (the largest {dtype})")
+    spec = InputSpec(name, dtype, tuple(dims), high_value)
+    if all(isinstance(d, int) for d in dims):  # fixed sizes: refused before the model is built
+        spec.check_bytes(list(dims))
+    return spec
 
 
 def parse_dim(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name.strip()) or not value.strip().isdigit() \
-            or not 0 < int(value) <= 2**40:
-        raise TfcliError(f"--dim {text!r}: expected NAME=SIZE with a positive size, e.g. --dim S=128")
-    return name.strip(), int(value)
+    size = _size_in(value, MAX_DIM) if sep else None
+    if size is None or not re.fullmatch(r"[A-Za-z_]\w*", name.strip()):
+        raise TfcliError(f"--dim {text[:100]!r}: expected NAME=SIZE with a positive size up to "
+                         f"2**40, e.g. --dim S=128")
+    return name.strip(), size
 
 
 def make_tensors(specs: list[InputSpec], sizes: dict[str, int], device: str | torch.device,

@@ -74,6 +74,51 @@ def _check_model_type(tf, model_type, path_text: str) -> None:
                      f"{len(known)}, e.g. gpt2, llama, bert, t5 (a newer version may know more)")
 
 
+# Keys whose value sizes the model, by what they count. Transformers builds an empty stack from
+# a layer count of -1 or 0, and from K/V heads that do not divide the query heads a model that
+# fails only when run: both would be inspected as if they were sound.
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+              "encoder_layers", "decoder_layers")
+SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff",
+             "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size")
+DERIVED_KEYS = ("head_dim", "d_kv")  # 0 means "width / heads" to some model types (glm5_next)
+QUERY_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
+                   "decoder_attention_heads")
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _check_sizes(values: dict, path_text: str, where: str = "") -> None:
+    """Refuse, in one line naming the key, a layer count, size or head count that is not a
+    positive integer, and K/V heads that do not divide the query heads; nested configurations
+    (``text_config``, ...) too. Values that are absent, None or not integers are left to
+    Transformers."""
+    def number(key: str):
+        value = values.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    for keys, what in ((LAYER_KEYS, "a layer count"), (SIZE_KEYS, "a size"),
+                       (QUERY_HEAD_KEYS + KV_HEAD_KEYS, "a head count")):
+        for key in keys:
+            value = number(key)
+            if value is not None and value < 1:
+                raise TfcliError(f"--model hf:{path_text}: {where}{key}={value}: {what} must be "
+                                 f"a positive integer")
+    for key in DERIVED_KEYS:
+        if number(key) is not None and number(key) < 0:
+            raise TfcliError(f"--model hf:{path_text}: {where}{key}={number(key)}: a size must "
+                             f"not be negative")
+    heads = next((number(k) for k in QUERY_HEAD_KEYS if number(k) is not None), None)
+    kv_key = next((k for k in KV_HEAD_KEYS if number(k) is not None), None)
+    if heads is not None and kv_key is not None and heads % number(kv_key):
+        raise TfcliError(f"--model hf:{path_text}: {where}{kv_key}={number(kv_key)} does not "
+                         f"divide the {heads} query heads; each key/value head serves an equal "
+                         f"group of query heads")
+    for key, value in values.items():  # text_config, vision_config, ... (a few levels deep)
+        if isinstance(value, dict) and key not in ("id2label", "label2id") \
+                and where.count(".") < 4:
+            _check_sizes(value, path_text, f"{where}{key}.")
+
+
 class HFSubject(Subject):
     kind = "hf"
     runs_on_meta = False
@@ -90,6 +135,7 @@ class HFSubject(Subject):
             raise TfcliError(f"--model hf:{path_text}: a Transformers config.json names its "
                              f"'model_type' (e.g. \"gpt2\", \"llama\")")
         _check_model_type(tf, data["model_type"], path_text)
+        _check_sizes(data, path_text)  # as written, before Transformers divides by them
         if data.get("use_pretrained_backbone"):  # weights from the Hub: random ones instead
             data["use_pretrained_backbone"] = False
         try:
@@ -105,6 +151,7 @@ class HFSubject(Subject):
                                  f"backbone_config") from None
             raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
                              f"{error_text(error, whole=True)}") from None
+        _check_sizes(self.config.to_dict(), path_text)  # with the model type's defaults
         self.config._attn_implementation = "sdpa"
         self.model_class = self._choose_class(tf, class_name, path_text)
         self.label = f"hf:{path_text} ({self.model_class.__name__})"
