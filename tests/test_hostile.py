@@ -7,10 +7,9 @@ files.
 
 A case runs in this process (Typer's runner, in a directory of its own) unless the process is
 the point: a closed, full or broken stdout, a file-size limit, the interpreter's stream
-encoding, a user's model file (which may exit, print or change the directory), or a run that
-must be held to an address-space limit so that a regression fails here instead of reaching the
-OOM killer (``Case.process`` says which). Those run as `python -m tfcli`, two at a time, all at
-once, before the first assertion.
+encoding, or a run that must be held to an address-space limit so that a regression fails here instead of reaching the
+OOM killer (``Case.process`` says which). Those run as `python -m tfcli` in the background job
+queue (tests/background.py), as do the signalled sweeps.
 """
 
 from __future__ import annotations
@@ -18,15 +17,18 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+import background
 
 LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit; a 20 GB table or a 72 GB batch does not
 BIG = str(10**30)
@@ -50,6 +52,8 @@ class Broken(nn.Module):
 FAIL_OWN_CODE = (Path(__file__).parent / "fixtures" / "failing_models.py").read_text()
 HF_HEADS_5_ON_64 = (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5, '
                     b'"num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 100}')
+HF_LLAMA = (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, '
+            b'"num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 100}')
 
 
 
@@ -77,8 +81,6 @@ class Case:
             return "a file-size limit"
         if "PYTHONIOENCODING" in self.env:
             return "the interpreter's stream encoding"
-        if any(name.endswith(".py") for name in self.files):
-            return "a user's model file"
         if self.memory_limit:
             return "an address-space limit"
         return None
@@ -212,6 +214,7 @@ CASES: list[Case] = [
     Case("columns-junk", ["config", "--fields"], 0, env={"COLUMNS": "wide"}, stdout="d_model"),
     Case("columns-huge", ["config", "--fields"], 0, env={"COLUMNS": "9" * 20}, stdout="d_model"),
     Case("columns-1", ["presets"], 0, env={"COLUMNS": "1"}, stdout="gpt2-small"),
+    Case("columns-superscript", ["presets"], 0, env={"COLUMNS": "²"}, stdout="gpt2-small"),
     Case("columns-help", ["--help"], 0, env={"COLUMNS": "0"}, stdout="presets"),
     Case("stdout-full", ["config", "--fields"], 1, "No space left on device", stdout_to="full"),
     Case("stdout-full-json", ["config", "--fields", "--json"], 1, "No space left",
@@ -402,6 +405,93 @@ TORCH_CASES: list[Case] = [
                                 "--max-time", "0.02", "--csv", "out.csv", "--plot", "out.png"],
          0, stdout="wrote plot: out.png", changes=frozenset({"out.csv", "out.png"}),
          stderr_lines=None),
+    # --- issue 25: numbers and grammar: each a one-line refusal, not an internal error -------
+    Case("shapes-input-sizes-overflow-a-tensor", ["shapes", "--model", "torch.nn:Identity",
+                                                  "--input", f"input=float32[{2**40},{2**40}]"],
+         2, f"--input input: [{2**40}, {2**40}] is 1.21e+24 elements of 4 bytes (float32), more "
+            f"than a tensor can hold"),
+    Case("shapes-dim-sizes-overflow-a-tensor", ["shapes", "--model", "torch.nn:Identity",
+                                                "--input", "input=float32[B,L]", "--dim",
+                                                f"B={2**40}", "--dim", f"L={2**40}"],
+         2, f"[B={2**40}, L={2**40}] is 1.21e+24 elements"),
+    Case("shapes-input-bound-beyond-int64", ["shapes", "--model", "torch.nn:Identity",
+                                             "--input", f"input=int64[B,4]<{BIG}", "--device",
+                                             "cpu"],
+         2, "N must be at least 1 and at most 9,223,372,036,854,775,807 (the largest int64)"),
+    Case("shapes-input-superscript-size", ["shapes", "--model", "torch.nn:Identity", "--input",
+                                           "input=float32[B,²]"], 2, "got '²'"),
+    Case("shapes-dim-superscript-size", ["shapes", "--model", "torch.nn:Identity", "--input",
+                                         "input=float32[B,L]", "--dim", "L=³"], 2,
+         "--dim 'L=³': expected NAME=SIZE"),
+    Case("shapes-input-5000-digit-size", ["shapes", "--model", "torch.nn:Identity", "--input",
+                                          "input=float32[B,L]", "--dim", "L=" + "9" * 5000], 2,
+         "expected NAME=SIZE with a positive size up to 2**40"),
+    Case("masks-window-superscript", ["masks", "--model", "torch.nn:Identity", "--input",
+                                      "input=int64[B,L]", "--lengths", "input=2,3", "--pad-id",
+                                      "0", "--window", "input=²"], 2, "expected NAME=W"),
+    Case("masks-pad-id-beyond-int64-causal", ["masks", "--model", "torch.nn:Identity", "--input",
+                                              "input=int64[B,L]", "--causal", "input", "--check",
+                                              "--pad-id", BIG], 2,
+         "a token id is from 0 to 9,223,372,036,854,775,807 (int64)"),
+    Case("params-device-memory-400-digits", ["params", "--device-memory", "9" * 400], 2,
+         "must be between 1 byte and 1 EiB"),
+    Case("bench-seq-lens-5000-digits", ["bench", "--seq-lens", "16," + "9" * 5000], 2,
+         "a 5000-digit number is beyond any size"),
+    # torchrun's variables, left in the environment or mistyped: one line naming the variable
+    Case("bench-torchrun-port-not-a-number", ["bench", "--what", "model", "-p", "tiny",
+                                              "--seq-lens", "16"], 2,
+         "MASTER_PORT='notaport' in the environment (torchrun's): expected the rendezvous port",
+         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "notaport"}),
+    Case("bench-torchrun-world-size-not-a-number", ["bench", "--what", "model", "-p", "tiny",
+                                                    "--seq-lens", "16"], 2,
+         "WORLD_SIZE='x' in the environment (torchrun's): expected the number of ranks",
+         env={"RANK": "0", "WORLD_SIZE": "x", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "29500"}),
+    Case("bench-torchrun-local-rank-not-a-number", ["bench", "--what", "model", "-p", "tiny",
+                                                    "--seq-lens", "16"], 2,
+         "LOCAL_RANK='abc' in the environment",
+         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "29500"}),
+    Case("bench-torchrun-master-addr-empty", ["bench", "--what", "model", "-p", "tiny",
+                                              "--seq-lens", "16"], 2,
+         "MASTER_ADDR: not set or empty, but RANK or WORLD_SIZE is set",
+         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "",
+              "MASTER_PORT": "29500"}),
+    # checked before --nproc starts any rank (which took seconds to fail, exit 1)
+    Case("bench-nproc-seq-len-beyond-max-seq-len", ["bench", "--what", "model", "-p", "tiny",
+                                                    "--nproc", "2", "--batch-size", "2",
+                                                    "--seq-lens", "16,100000"], 2,
+         "--seq-lens: 100000 exceeds max_seq_len=64"),
+    # Transformers configs it would build as if they were sound
+    Case("params-hf-negative-layers", ["params", "--model", "hf:config.json"], 2,
+         "num_hidden_layers=-2: a layer count must be a positive integer",
+         files={"config.json": HF_LLAMA.replace(b'"num_hidden_layers": 1',
+                                                b'"num_hidden_layers": -2')}),
+    Case("params-hf-zero-layers", ["params", "--model", "hf:config.json"], 2,
+         "n_layer=0: a layer count must be a positive integer",
+         files={"config.json": b'{"model_type": "gpt2", "n_embd": 64, "n_head": 4, '
+                               b'"n_layer": 0, "vocab_size": 100}'}),
+    Case("params-hf-negative-width", ["params", "--model", "hf:config.json"], 2,
+         "intermediate_size=-64: a size must be a positive integer",
+         files={"config.json": HF_LLAMA.replace(b'"intermediate_size": 64',
+                                                b'"intermediate_size": -64')}),
+    Case("params-hf-kv-heads-do-not-divide", ["params", "--model", "hf:config.json"], 2,
+         "num_key_value_heads=3 does not divide the 4 query heads",
+         files={"config.json": HF_LLAMA.replace(b'"vocab_size"',
+                                                b'"num_key_value_heads": 3, "vocab_size"')}),
+    Case("params-hf-nested-negative-layers", ["params", "--model", "hf:config.json"], 2,
+         "text_config.num_hidden_layers=-1: a layer count must be a positive integer",
+         files={"config.json": b'{"model_type": "llava", "text_config": '
+                               b'{"model_type": "llama", "num_hidden_layers": -1}}'}),
+    # --- issue 25: outputs ----------------------------------------------------------------------
+    # a link is written through: its target gets the records, the link stays a link
+    Case("bench-csv-through-a-symlink", ["bench", "--seq-lens", "16", "--heads", "2",
+                                         "--head-dim", "8", "--kernels", "sdpa", "--pass", "fwd",
+                                         "--min-time", "0.005", "--max-time", "0.02", "--csv",
+                                         "link.csv"],
+         0, stdout="wrote records: link.csv", changes=frozenset({"target.csv"}),
+         stderr_lines=None, files={"target.csv": PRECIOUS["out.csv"], "link.csv": b"->target.csv"}),
 ]
 
 
@@ -441,7 +531,7 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG
             resource.setrlimit(resource.RLIMIT_FSIZE, (case.fsize, case.fsize))
 
-    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", **case.env}
+    env = {**background.session_env(), "COLUMNS": "100", "NO_COLOR": "1", **case.env}
     env.pop("TFCLI_TRACEBACK", None)
     stdout: int | None = subprocess.PIPE
     opened = None
@@ -453,8 +543,8 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
         stdout = opened = write
     command = [sys.executable, "-m", "tfcli", *case.args]
     try:
-        result = subprocess.run(command, cwd=where, env=env, stdout=stdout,
-                                stderr=subprocess.PIPE, preexec_fn=limits, timeout=240)
+        result = background.run(command, 240, cwd=where, env=env, stdout=stdout,
+                                stderr=subprocess.PIPE, preexec_fn=limits)
     finally:
         if opened is not None:
             os.close(opened)
@@ -476,15 +566,22 @@ def _run_here(case: Case, where: Path, monkeypatch) -> tuple[int, str, str, dict
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    """The cases that need a process of their own, two at a time (the machine has two cores),
-    before any assertion."""
-    cases = [c for c in CASES + TORCH_CASES if c.process]
-    # The slow cases first, so the cheap ones fill the gaps at the end.
-    order = sorted(cases, key=lambda c: c not in TORCH_CASES)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {c.id: pool.submit(_run, c, tmp_path_factory.mktemp(c.id)) for c in order}
-        return {name: future.result() for name, future in futures.items()}
+def outcomes():
+    return background.result("outcomes")
+
+
+@background.job("outcomes")
+def _outcomes() -> dict:
+    """The cases that need a process of their own, one after another in the background job
+    queue (tests/background.py), each in a directory of its own."""
+    out = {}
+    for case in (c for c in CASES + TORCH_CASES if c.process):
+        where = Path(tempfile.mkdtemp(prefix="tfcli-hostile-"))
+        try:
+            out[case.id] = _run(case, where)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+    return out
 
 
 def test_at_least_150_distinct_cases():
@@ -525,29 +622,6 @@ def test_hostile(request, tmp_path, monkeypatch, case: Case):
 
 # --- signals: wait for the first measured cell, then interrupt ---------------------------------
 
-
-@pytest.mark.parametrize("sig,code,line", [(signal.SIGTERM, 143, "tfcli: terminated (SIGTERM)"),
-                                           (signal.SIGINT, 130, "tfcli: interrupted (Ctrl-C)")])
-def test_signal_mid_sweep_keeps_results_and_the_existing_csv(tmp_path, sig, code, line):
-    (tmp_path / "out.csv").write_bytes(PRECIOUS["out.csv"])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tfcli", "bench", "--seq-lens", "16,32,64,128,256,512,1024",
-         "--heads", "2", "--head-dim", "8", "--min-time", "1", "--csv", "out.csv"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "COLUMNS": "100"},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS)))
-    first = proc.stderr.readline()  # the first finished cell
-    assert first.startswith("L="), first
-    time.sleep(0.2)
-    proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
-    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == line
-    assert "kernel" in stdout and "interrupted" in stdout  # the table of what was measured
-    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
-
-
 # A sweep whose cleanup (after the first signal: fits, table, outputs) waits, so that a second
 # signal surely arrives during it; it says when it starts.
 SLOW_CLEANUP = """
@@ -570,52 +644,283 @@ SWEEP = ["bench", "--seq-lens", "16,32,64,128,256,512,1024", "--heads", "2", "--
          "--min-time", "1", "--csv", "out.csv"]
 
 
+@dataclass
+class Stopped:
+    """What a sweep stopped by signals left: its first line on stderr (a finished cell), exit
+    code, output, and the directory's files (out.csv held PRECIOUS before)."""
+    first: str
+    code: int
+    stdout: str
+    stderr: str
+    csv: bytes
+    files: list[str]
+
+
+def _first_cell(proc) -> str:
+    return proc.stderr.readline()
+
+
+def _mid_sweep(sig):
+    def drive(proc) -> None:
+        time.sleep(0.2)
+        proc.send_signal(sig)
+    return drive
+
+
+def _second_during_cleanup(second):
+    def drive(proc) -> None:
+        proc.send_signal(signal.SIGINT)
+        for text in proc.stderr:  # the cells cut short, then the cleanup starts
+            if text == "cleaning up\n":
+                break
+        proc.send_signal(second)
+    return drive
+
+
+def _in_quick_succession(gap):
+    def drive(proc) -> None:
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        proc.send_signal(signal.SIGTERM)
+    return drive
+
+
+def _hang_up(proc) -> None:
+    proc.send_signal(signal.SIGHUP)
+
+
+SIGNALLED = {  # name -> (the script, or None for tfcli itself; what is done once a cell ends)
+    "sigterm": (None, _mid_sweep(signal.SIGTERM)),
+    "sigint": (None, _mid_sweep(signal.SIGINT)),
+    "second-sigint": (SLOW_CLEANUP, _second_during_cleanup(signal.SIGINT)),
+    "second-sigterm": (SLOW_CLEANUP, _second_during_cleanup(signal.SIGTERM)),
+    "gap-0": (None, _in_quick_succession(0.0)),
+    "gap-0.05": (None, _in_quick_succession(0.05)),
+    "sighup": (None, _hang_up),
+}
+
+
 def _sweep(where: Path, script: str | None = None) -> subprocess.Popen:
     (where / "out.csv").write_bytes(PRECIOUS["out.csv"])
     command = [sys.executable, "-c", script, *SWEEP] if script else \
         [sys.executable, "-m", "tfcli", *SWEEP]
-    return subprocess.Popen(
+    return background.popen(
         command, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "COLUMNS": "100"},
+        env={**background.session_env(), "COLUMNS": "100"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS)))
 
 
-@pytest.mark.parametrize("second,code,line", [
-    (signal.SIGINT, 130, "tfcli: interrupted (Ctrl-C) while stopping: ended at once"),
-    (signal.SIGTERM, 143, "tfcli: terminated (SIGTERM) while stopping: ended at once")])
-def test_second_signal_during_cleanup_ends_at_once(tmp_path, second, code, line):
+def _stop(script: str | None, drive) -> Stopped:
+    with tempfile.TemporaryDirectory(prefix="tfcli-signal-") as name:
+        where = Path(name)
+        proc = _sweep(where, script)
+        try:
+            first = _first_cell(proc)
+            if first.startswith("L="):
+                drive(proc)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        return Stopped(first, proc.returncode, stdout, stderr, (where / "out.csv").read_bytes(),
+                       sorted(p.name for p in where.iterdir()))
+
+
+@pytest.fixture(scope="module")
+def signalled():
+    return background.result("signalled")
+
+
+@background.job("signalled")
+def _signalled() -> dict[str, Stopped]:
+    """Every signalled sweep, one after another in the background job queue."""
+    return {name: _stop(*how) for name, how in SIGNALLED.items()}
+
+
+def _left_as_it_was(run: Stopped) -> None:
+    assert run.first.startswith("L="), run.first  # the first finished cell
+    assert "Traceback" not in run.stderr
+    assert run.csv == PRECIOUS["out.csv"]
+    assert run.files == ["out.csv"]  # the .tmp is removed
+
+
+@pytest.mark.parametrize("name,code,line", [("sigterm", 143, "tfcli: terminated (SIGTERM)"),
+                                            ("sigint", 130, "tfcli: interrupted (Ctrl-C)")])
+def test_signal_mid_sweep_keeps_results_and_the_existing_csv(signalled, name, code, line):
+    run = signalled[name]
+    _left_as_it_was(run)
+    assert run.code == code, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == line
+    assert "kernel" in run.stdout and "interrupted" in run.stdout  # what was measured
+
+
+@pytest.mark.parametrize("name,code,line", [
+    ("second-sigint", 130, "tfcli: interrupted (Ctrl-C) while stopping: ended at once"),
+    ("second-sigterm", 143, "tfcli: terminated (SIGTERM) while stopping: ended at once")])
+def test_second_signal_during_cleanup_ends_at_once(signalled, name, code, line):
     """Issue 11: a second Ctrl-C (or SIGTERM) while the first is being handled ends the run at
     once: one line, no traceback, the existing CSV as it was, no temporary file left."""
-    proc = _sweep(tmp_path, SLOW_CLEANUP)
-    assert proc.stderr.readline().startswith("L=")  # the sweep runs
-    proc.send_signal(signal.SIGINT)
-    for text in proc.stderr:  # the cells cut short, then the cleanup starts
-        if text == "cleaning up\n":
-            break
-    proc.send_signal(second)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == code, stderr
-    assert "Traceback" not in stderr and stderr.strip().splitlines() == [line + ", without "
-           "finishing; existing output files are as they were"], stderr
-    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]  # the .tmp is removed
+    run = signalled[name]
+    _left_as_it_was(run)
+    assert run.code == code, run.stderr
+    assert run.stderr.strip().splitlines() == [line + ", without finishing; existing output "
+                                               "files are as they were"], run.stderr
 
 
-@pytest.mark.parametrize("gap", [0.0, 0.05])
-def test_two_signals_in_quick_succession(tmp_path, gap):
+@pytest.mark.parametrize("name", ["gap-0", "gap-0.05"])
+def test_two_signals_in_quick_succession(signalled, name):
     """Ctrl-C then SIGTERM a moment apart, wherever each lands (coalesced, during the cleanup
     or after the command has ended): no traceback, 130 or 143, the existing CSV intact."""
-    proc = _sweep(tmp_path)
-    assert proc.stderr.readline().startswith("L=")
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(gap)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode in (130, 143), stderr
-    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("tfcli: ")
-    assert (tmp_path / "out.csv").read_bytes() == PRECIOUS["out.csv"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+    run = signalled[name]
+    _left_as_it_was(run)
+    assert run.code in (130, 143), run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("tfcli: ")
+
+
+def test_hang_up_mid_sweep_ends_in_one_line(signalled):
+    """Issue 25: SIGHUP (the terminal closed) killed the sweep (exit -1), leaving its temporary
+    CSV. It ends the run at once: one line, exit 129, the existing CSV as it was, no temporary
+    file left."""
+    run = signalled["sighup"]
+    _left_as_it_was(run)
+    assert run.code == 129, run.stderr
+    assert run.stderr.strip().splitlines() == ["tfcli: hung up (SIGHUP): ended at once, without "
+                                               "finishing; existing output files are as they "
+                                               "were"]
+
+
+# --- torchrun's variables with no peer: bench waits at the rendezvous --------------------------
+
+RANK_ALONE = ["bench", "--what", "model", "-p", "tiny", "--seq-lens", "16", "--batch-size", "2"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rank_waiting_for_peers_stops_on_sigterm(tmp_path):
+    """Issue 25: started with torchrun's variables and no peer, bench waited at the rendezvous
+    (in native code) and ignored Ctrl-C and SIGTERM until killed. It stops as usual."""
+    import socket
+
+    port = _free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "tfcli", *RANK_ALONE], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_limited())
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:  # rank 0 hosts the store
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()  # if it still waits, so no process is left behind
+    assert proc.returncode == 143 and stderr == "tfcli: terminated (SIGTERM)\n", stderr
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "no peer came: rank 0 of 2 waited 0.2 s at 127.0.0.1:"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+     "no rendezvous: rank 0 of 1 found no store at 127.0.0.1:"),
+], ids=["no-peer", "no-agent"])
+def test_rank_waits_for_peers_a_bounded_time(cli, monkeypatch, env, message):
+    """Issue 25: a peer that never comes (or a store that torchrun's agent was to host) ends
+    the wait after RENDEZVOUS_S seconds in one line, exit 1."""
+    import tfcli.parallel.bench as ranks
+
+    monkeypatch.setattr(ranks, "RENDEZVOUS_S", 0.2)
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    result = cli(*RANK_ALONE, env=env)
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.startswith(f"tfcli: error: {message}") \
+        and result.stderr.count("\n") == 1, result.stderr
+
+
+# --- outputs that fail as they are written -----------------------------------------------------
+
+
+def test_profile_trace_not_written_whole_is_a_failed_run(cli, tmp_path, monkeypatch):
+    """Issue 25: torch's trace export reports no failed write, so on a full disk --profile
+    said "wrote profiler traces" and exited 0, leaving empty files. Here the export fails as
+    Kineto's does on a full disk (or past a file-size limit): it stops part-way through its
+    temporary file (the name plus ".tmp") and never renames it. One line, exit 1, no file left
+    in the trace directory."""
+    from torch.profiler import profile
+
+    def export_part(self, path, *args, **kwargs):
+        Path(f"{path}.tmp").write_text('{"traceEvents": [')
+
+    monkeypatch.setattr(profile, "export_chrome_trace", export_part)
+    traces = tmp_path / "traces"
+    result = cli("bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels",
+                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.02",
+                 "--profile", str(traces))
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"tfcli: error: --profile {str(traces)!r}: the trace was not written whole (is the disk "
+        f"full?); the sweep stopped there (the table holds what was measured)")
+    assert "wrote profiler traces" not in result.stdout
+    assert list(traces.iterdir()) == []
+
+
+def test_stderr_past_a_file_size_limit_keeps_the_exit_code(tmp_path):
+    """Issue 25: with stderr in a file that reaches its size limit (``ulimit -f``), the refusal
+    cannot be written, and Python's flush of stderr at exit failed again: exit 120, not the
+    command's 2. (Python buffers stderr unless PYTHONUNBUFFERED is set, as it is for users.)"""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with (tmp_path / "err.log").open("wb") as err:
+        result = subprocess.run([sys.executable, "-m", "tfcli", "config", "--set", "x=1"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, env=env,
+                                preexec_fn=limit, timeout=60)
+    assert result.returncode == 2
+    assert (tmp_path / "err.log").read_bytes() == b"tfcli: err"  # as far as the limit let it
+
+
+# --- torch itself cannot be loaded -------------------------------------------------------------
+
+
+def test_torch_that_cannot_be_loaded_is_one_line(tmp_path):
+    """Issue 25: under a 400 MB address-space limit importing torch fails (here a C++
+    std::bad_alloc aborts the process; elsewhere an ImportError, exit 70). tfcli refuses it
+    before trying, saying how much address space torch takes (exit 2); a torch that fails to
+    load anyway is one line too (exit 1)."""
+    limit = 400 * 2**20
+
+    def small() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    command = [sys.executable, "-m", "tfcli", "shapes", "--preset", "tiny"]
+    refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             preexec_fn=small)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("tfcli: error: torch cannot be loaded: this process may "
+                                     "map 400 MiB of address space (RLIMIT_AS, ulimit -v)")
+    assert "loading torch alone maps about 0.6 GB" in refused.stderr
+    assert refused.stderr.count("\n") == 1
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ImportError('libtorch_cpu.so: failed to map segment from shared object')\n")
+    failed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr == ("tfcli: error: torch could not be loaded: ImportError: "
+                             "libtorch_cpu.so: failed to map segment from shared object\n")
 
 
 # --- outputs where nothing may be written: permission bits must bind the run -----------------
