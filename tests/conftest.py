@@ -1,9 +1,20 @@
 from __future__ import annotations
 
-import pytest
-from typer.testing import CliRunner
+import os
 
-from tfcli.cli import app
+# One torch thread here and in every process a test starts: the suite keeps two things
+# running at once (the in-process tests and one background job, tests/background.py) on a
+# two-core machine, and more threads than cores make OpenMP's waiting workers spin on the
+# cores the other needs. Set before torch is imported; the processes inherit it.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from tfcli.cli import app  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 class Result:
