@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -29,11 +30,14 @@ _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
+_TIMES: dict[str, list[float]] = {}  # job -> [seconds it ran, seconds tests waited for it]
 
 
 def job(fixture: str) -> Callable:
     """Register the decorated function (no arguments) as the job whose result ``fixture``
-    returns."""
+    returns. The fixture must have that name and be a parameter of the tests that read it
+    (not fetched with ``request.getfixturevalue``): that is how the session sees which jobs
+    its tests need, and which tests to run last."""
     def register(fn: Callable[[], Any]) -> Callable[[], Any]:
         assert fixture not in _JOBS, f"two jobs for fixture {fixture!r}"
         _JOBS[fixture] = fn
@@ -51,8 +55,16 @@ def start(fixtures: Iterable[str]) -> list[str]:
     if names and _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
     for name in names:
-        _FUTURES[name] = _POOL.submit(_JOBS[name])
+        _FUTURES[name] = _POOL.submit(_timed, name)
     return names
+
+
+def _timed(name: str) -> Any:
+    start = time.monotonic()
+    try:
+        return _JOBS[name]()
+    finally:
+        _TIMES.setdefault(name, [0.0, 0.0])[0] = time.monotonic() - start
 
 
 def uses_job(fixtures: Iterable[str]) -> bool:
@@ -64,7 +76,20 @@ def result(fixture: str) -> Any:
     """The result of the job behind ``fixture``: waited for when the session started it, run
     here and now when it did not (a test module run on its own outside pytest's hooks)."""
     future = _FUTURES.get(fixture)
-    return future.result() if future is not None else _JOBS[fixture]()
+    if future is None:
+        return _JOBS[fixture]()
+    start = time.monotonic()
+    try:
+        return future.result()
+    finally:
+        _TIMES.setdefault(fixture, [0.0, 0.0])[1] += time.monotonic() - start
+
+
+def summary() -> list[str]:
+    """A line per job that ran: its seconds, and how long tests waited for it (the time the
+    background added to the session)."""
+    return [f"{name}: ran {ran:.1f} s, tests waited {waited:.1f} s"
+            for name, (ran, waited) in _TIMES.items()]
 
 
 def session_env() -> dict[str, str]:

@@ -115,3 +115,13 @@ def pytest_sessionfinish(session):
     import background
 
     background.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    import background
+
+    lines = background.summary()
+    if lines:
+        terminalreporter.write_sep("-", "background jobs (tests/background.py)")
+        for line in lines:
+            terminalreporter.write_line(line)

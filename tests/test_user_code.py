@@ -301,7 +301,7 @@ def _process(case, where: Path) -> tuple[int, str] | None:
 
 
 @pytest.fixture(scope="module")
-def processes():
+def user_code_processes():
     return background.result("user_code_processes")
 
 
@@ -316,12 +316,12 @@ def _processes() -> dict:
 
 
 @pytest.mark.parametrize("case", PROCESS_CASES, ids=lambda c: "-".join(map(str, c[:3])))
-def test_the_process_ends_with_one_line(processes, case):
+def test_the_process_ends_with_one_line(user_code_processes, case):
     """A crash (exit -11, nothing printed before), os._exit (the model's code, nothing
     printed) and a non-daemon thread (tfcli waited for it for ever) each end the process
     promptly, with one line naming what the model did."""
     action, stage, command, code = case
-    result = processes[case]
+    result = user_code_processes[case]
     assert result is not None, "tfcli did not end in 60 s"
     returncode, stderr = result
     assert returncode == code, (returncode, stderr[-2000:])
