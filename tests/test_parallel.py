@@ -630,3 +630,23 @@ def test_params_parallel_refuses_a_model_it_cannot_split(cli, tmp_path):
     result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2")
     assert result.exit_code == 2
     assert "--parallel needs tfcli's own configuration" in result.stderr
+
+
+def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli, monkeypatch):
+    """Issue 25: --nproc 1,024 started ranks of about 330 MB each with no estimate. The ranks'
+    memory (an interpreter with torch each, and a step of the model) is compared with what
+    the machine has before the first rank starts."""
+    import tfcli.guard
+    import tfcli.parallel.launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(tfcli.parallel.launch, "run_ranks", no_ranks)
+    monkeypatch.setattr(tfcli.guard, "available",
+                        lambda device="cpu", max_memory=None: tfcli.guard.Budget(2**30, "test"))
+    result = cli("bench", "--what", "model", "-p", "tiny", "--nproc", "4", "--seq-lens", "16",
+                 "--batch-size", "4")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--nproc 4: the ranks need an estimated 1.29 GiB (4 × (330 MiB" in result.stderr
+    assert "1 GiB is available (test); use fewer ranks" in result.stderr

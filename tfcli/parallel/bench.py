@@ -221,6 +221,33 @@ def _check(cfg_dict: dict, nproc: int, strategy: str, batch: int) -> None:
                              f"n_kv_heads={kv} and d_ff={d_ff} must be divisible by {nproc}")
 
 
+# A rank's own memory before its share of the model: an interpreter with torch,
+# torch.distributed and gloo loaded. Measured as the largest process of
+# `tfcli bench --what model -p tiny --nproc 2 --seq-lens 16 --batch-size 2` (its tiny model
+# adds little): 327 MiB peak RSS, torch 2.13 CPU, Linux x86-64.
+RANK_BYTES = 330 * 2**20
+
+
+def _guard_ranks(cfg, nproc: int, batch: int, length: int) -> None:
+    """Refuse, before any rank starts, ranks that together would not fit in this machine's
+    memory: each holds an interpreter with torch (RANK_BYTES) and at most a whole training
+    step of the model at the longest length and its share of the batch (sharding only
+    lowers it)."""
+    from tfcli.guard import available, gib, model_run_bytes
+    from tfcli.subjects.own import OwnSubject
+
+    share = max(batch // nproc, 1)
+    sizes = {"B": share, "S": length, "T": length, "L": length}
+    step, _ = model_run_bytes(OwnSubject(cfg.replace(dropout=0.0)), sizes)
+    need, budget = nproc * (RANK_BYTES + step), available("cpu")
+    if need > budget.bytes:
+        raise TfcliError(f"--nproc {nproc}: the ranks need an estimated {gib(need)} ({nproc} × "
+                         f"({gib(RANK_BYTES)} for an interpreter with torch, measured, + "
+                         f"{gib(step)} for a training step at B={share}, L={length})), but "
+                         f"{gib(budget.bytes)} is available ({budget.source}); use fewer ranks "
+                         f"or shorter --seq-lens")
+
+
 def render(records: list[dict], console) -> None:
     from rich.table import Table
 
@@ -439,6 +466,8 @@ def _bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend:
     if cfg_dict["positional"] != "none" and longest > cfg_dict["max_seq_len"]:
         raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg_dict['max_seq_len']}; "
                          f"add --set max_seq_len={longest}")
+    if world is None:  # tfcli starts the ranks, all on this machine
+        _guard_ranks(cfg, nproc, batch, longest)
     if world is not None:
         records = _under_torchrun(cfg_dict, strategy, backend or "gloo", batch, lengths, seed)
         if records is None:
