@@ -274,3 +274,20 @@ def test_collective_counter_agrees_with_comm_debug_mode(comm_counts):
         assert own == theirs and own, (strategy, own, theirs)
     assert set(out["fsdp"][0]) == {"_allgather_base_", "_reduce_scatter_base_"}
     assert set(out["tp"][0]) == {"all_reduce"}
+
+
+def test_a_stopped_rank_is_named_not_the_rank_waiting_for_it():
+    """Issue 25: a rank stopped by SIGSTOP cannot dump its stack, and the launcher named the
+    rank waiting for it in a collective. A stopped rank is named as stopped, and ended."""
+    from tfcli.parallel.launch import RankError, run_ranks
+    from tfcli.parallel.workers import fail_rank
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as error:
+        run_ranks(fail_rank, 2, (1, False, False, True), timeout=3)
+    assert error.value.rank == 1
+    assert str(error.value).startswith("rank(s) 1 of 2 did not finish within 3 s (rank 1 is "
+                                       "stopped (SIGSTOP or SIGTSTP")
+    assert "rank(s) 0 waited for it in a collective" in str(error.value)
+    assert _ranks_of(os.getpid()) == []
+    assert time.monotonic() - start < 60

@@ -193,8 +193,9 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
         procs[r].send_signal(signal.SIGUSR1)
     time.sleep(0.5)
     stacks = {r: _read(Path(out) / f"rank{r}.stack") for r in late}
+    stopped = [r for r in late if _stopped(procs[r].pid)]  # no stack: it cannot run to dump one
     waiting = [r for r in late if f"torch{os.sep}distributed{os.sep}" in stacks[r]]
-    stuck = [r for r in late if r not in waiting and stacks[r].strip()]
+    stuck = [r for r in late if r not in waiting and (stacks[r].strip() or r in stopped)]
     names = ", ".join(map(str, stuck or late))
     message = (f"rank(s) {names} of {len(procs)} did not finish within {timeout:g} s" if joined
                else f"rank(s) {names} of {len(procs)} did not join the process group within "
@@ -205,10 +206,20 @@ def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
         threads = re.split(r"^(?:Current thread|Thread) .*$", stacks[stuck[0]], flags=re.M)
         frames = [line.strip() for block in threads if " in watch" not in block
                   for line in block.splitlines() if line.strip().startswith("File")]
-        message += (f" (rank {stuck[0]} at {frames[0] if frames else '?'}); rank(s) "
+        where = ("is stopped (SIGSTOP or SIGTSTP: it runs again only when continued)"
+                 if stuck[0] in stopped else f"at {frames[0] if frames else '?'}")
+        message += (f" (rank {stuck[0]} {where}); rank(s) "
                     f"{', '.join(map(str, waiting))} waited for it "
                     + ("in a collective" if joined else "at the rendezvous"))
     raise RankError((stuck or late)[0], message)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc; False where /proc is missing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _read(path: Path) -> str:
@@ -220,10 +231,15 @@ def _read(path: Path) -> str:
 
 
 def _end(procs: list[subprocess.Popen]) -> None:
-    """Terminate every rank still running (SIGTERM, then SIGKILL) and reap them all."""
+    """Terminate every rank still running (SIGTERM, then SIGKILL) and reap them all. A stopped
+    rank is continued after SIGTERM, so that it can end at once."""
+    import signal
+
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            if _stopped(p.pid):
+                p.send_signal(signal.SIGCONT)
     for p in procs:
         try:
             p.wait(5)

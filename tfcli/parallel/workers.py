@@ -134,9 +134,10 @@ def parity(rank: int, model, loss, cfg_dict: dict, batch: int, seq_len: int, see
 
 
 def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False,
-              kill: bool = False) -> int:
-    """For tests of the launcher: ``bad_rank`` raises (or hangs, or is killed by SIGKILL as
-    the kernel's OOM killer would); the others wait in a collective that it never joins."""
+              kill: bool = False, stop: bool = False) -> int:
+    """For tests of the launcher: ``bad_rank`` raises (or hangs, is killed by SIGKILL as the
+    kernel's OOM killer would, or is stopped by SIGSTOP as by a debugger or Ctrl-Z); the
+    others wait in a collective that it never joins."""
     import os
     import signal
     import time
@@ -147,6 +148,8 @@ def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False,
     if rank == bad_rank:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        if stop:
+            os.kill(os.getpid(), signal.SIGSTOP)
         if hang:
             time.sleep(3600)
         raise RuntimeError(f"rank {rank} failed on purpose")
