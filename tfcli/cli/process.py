@@ -102,6 +102,10 @@ def _prepare_process() -> None:
     logging.getLogger("torch._subclasses.fake_tensor").addFilter(lambda record: False)
 
 
+# torch's message for a shape whose bytes overflow an int64 (even on meta or fake tensors)
+_OVERFLOW = "Storage size calculation overflowed"
+
+
 class _Stopped(Exception):
     """Raised out of a command to end it with one line and an exit code; typer passes it on."""
 
@@ -193,11 +197,17 @@ class TfcliGroup(TyperGroup):
             code = fail("out of memory: the run needed more than the machine could give; use "
                         "smaller sizes or a lower --max-memory", 1)
         except Exception as err:  # a bug: one line, not a traceback, unless asked for
-            if os.environ.get("TFCLI_TRACEBACK"):
+            if isinstance(err, RuntimeError) and str(err).startswith(_OVERFLOW):
+                # torch refusing a shape: the sizes asked for are the cause (bad input),
+                # whichever tensor met them first
+                code = fail(f"the sizes asked for make a tensor larger than torch can hold "
+                            f"({str(err).splitlines()[0][:200]}); use smaller sizes")
+            elif os.environ.get("TFCLI_TRACEBACK"):
                 raise
-            text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            code = fail(f"internal error: {type(err).__name__}: {text[:300]} (please report "
-                        f"it; TFCLI_TRACEBACK=1 prints the traceback)", INTERNAL)
+            else:
+                text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                code = fail(f"internal error: {type(err).__name__}: {text[:300]} (please "
+                            f"report it; TFCLI_TRACEBACK=1 prints the traceback)", INTERNAL)
         if code == 1 and sys.stdout is not None and _stdout_broken():
             _silence_stdout()
         if code == INTERRUPTED or signals.received is not None:
