@@ -95,6 +95,15 @@ def cfile(id_, name, content: bytes, message, code=2):
                 files={name: content})
 
 
+def torchrun(id_, message, **changes):
+    """bench under torchrun's variables, one of them changed (None: left out)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500", **changes}
+    return Case(f"bench-torchrun-{id_}", ["bench", "--what", "model", "-p", "tiny",
+                                          "--seq-lens", "16"], 2, message,
+                env={k: v for k, v in env.items() if v is not None})
+
+
 def bench(id_, extra, message, code=2):
     return Case(f"bench-{id_}", ["bench", *extra], code, message)
 
@@ -442,26 +451,14 @@ TORCH_CASES: list[Case] = [
     Case("bench-seq-lens-5000-digits", ["bench", "--seq-lens", "16," + "9" * 5000], 2,
          "a 5000-digit number is beyond any size"),
     # torchrun's variables, left in the environment or mistyped: one line naming the variable
-    Case("bench-torchrun-port-not-a-number", ["bench", "--what", "model", "-p", "tiny",
-                                              "--seq-lens", "16"], 2,
-         "MASTER_PORT='notaport' in the environment (torchrun's): expected the rendezvous port",
-         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "notaport"}),
-    Case("bench-torchrun-world-size-not-a-number", ["bench", "--what", "model", "-p", "tiny",
-                                                    "--seq-lens", "16"], 2,
-         "WORLD_SIZE='x' in the environment (torchrun's): expected the number of ranks",
-         env={"RANK": "0", "WORLD_SIZE": "x", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "29500"}),
-    Case("bench-torchrun-local-rank-not-a-number", ["bench", "--what", "model", "-p", "tiny",
-                                                    "--seq-lens", "16"], 2,
-         "LOCAL_RANK='abc' in the environment",
-         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "29500"}),
-    Case("bench-torchrun-master-addr-empty", ["bench", "--what", "model", "-p", "tiny",
-                                              "--seq-lens", "16"], 2,
-         "MASTER_ADDR: not set or empty, but RANK or WORLD_SIZE is set",
-         env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "",
-              "MASTER_PORT": "29500"}),
+    torchrun("port-not-a-number", "MASTER_PORT='notaport' in the environment (torchrun's): "
+             "expected the rendezvous port", MASTER_PORT="notaport"),
+    torchrun("world-size-not-a-number", "WORLD_SIZE='x' in the environment (torchrun's): "
+             "expected the number of ranks", WORLD_SIZE="x", LOCAL_RANK=None),
+    torchrun("local-rank-not-a-number", "LOCAL_RANK='abc' in the environment",
+             LOCAL_RANK="abc"),
+    torchrun("master-addr-empty", "MASTER_ADDR: not set or empty, but RANK or WORLD_SIZE is "
+             "set", MASTER_ADDR=""),
     # checked before --nproc starts any rank (which took seconds to fail, exit 1)
     Case("bench-nproc-seq-len-beyond-max-seq-len", ["bench", "--what", "model", "-p", "tiny",
                                                     "--nproc", "2", "--batch-size", "2",

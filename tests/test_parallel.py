@@ -648,5 +648,6 @@ def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli,
     result = cli("bench", "--what", "model", "-p", "tiny", "--nproc", "4", "--seq-lens", "16",
                  "--batch-size", "4")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "--nproc 4: the ranks need an estimated 1.29 GiB (4 × (330 MiB" in result.stderr
-    assert "1 GiB is available (test); use fewer ranks" in result.stderr
+    assert "--nproc 4 needs 1.29 GiB, 1 GiB available (test); each rank holds 330 MiB" \
+        in result.stderr
+    assert "use fewer ranks" in result.stderr

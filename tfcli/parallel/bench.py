@@ -233,19 +233,17 @@ def _guard_ranks(cfg, nproc: int, batch: int, length: int) -> None:
     memory: each holds an interpreter with torch (RANK_BYTES) and at most a whole training
     step of the model at the longest length and its share of the batch (sharding only
     lowers it)."""
-    from tfcli.guard import available, gib, model_run_bytes
+    from tfcli.guard import gib, model_run_bytes, shortfall
     from tfcli.subjects.own import OwnSubject
 
     share = max(batch // nproc, 1)
     sizes = {"B": share, "S": length, "T": length, "L": length}
     step, _ = model_run_bytes(OwnSubject(cfg.replace(dropout=0.0)), sizes)
-    need, budget = nproc * (RANK_BYTES + step), available("cpu")
-    if need > budget.bytes:
-        raise TfcliError(f"--nproc {nproc}: the ranks need an estimated {gib(need)} ({nproc} × "
-                         f"({gib(RANK_BYTES)} for an interpreter with torch, measured, + "
-                         f"{gib(step)} for a training step at B={share}, L={length})), but "
-                         f"{gib(budget.bytes)} is available ({budget.source}); use fewer ranks "
-                         f"or shorter --seq-lens")
+    short = shortfall(nproc * (RANK_BYTES + step), "cpu")
+    if short is not None:
+        raise TfcliError(f"--nproc {nproc} {short}; each rank holds {gib(RANK_BYTES)} for an "
+                         f"interpreter with torch (measured) + {gib(step)} for a training step "
+                         f"at B={share}, L={length}; use fewer ranks or shorter --seq-lens")
 
 
 def render(records: list[dict], console) -> None:
