@@ -142,7 +142,7 @@ class OpObserver(TorchFunctionMode):
             self._emit(Op("linear", list(out.shape), flops, backward=flops * (_needs(x) +
                                                                               _needs(w))))
         elif func in _MATMULS or func in _ADDMMS:
-            a, b = (args[1], args[2]) if func in _ADDMMS else (args[0], args[1])
+            a, b = _addmm_operands(args, kwargs) if func in _ADDMMS else (args[0], args[1])
             if func is Tensor.__rmatmul__:
                 a, b = b, a
             flops = matmul_flops(a.shape, b.shape)
@@ -216,9 +216,9 @@ class OpObserver(TorchFunctionMode):
         elif func in (Tensor.__truediv__, Tensor.__mul__, Tensor.div, Tensor.mul, torch.div,
                       torch.mul, Tensor.to, Tensor.float, Tensor.type, Tensor.contiguous,
                       Tensor.view, Tensor.reshape, Tensor.flatten, torch.flatten,
-                      Tensor.unflatten) \
+                      Tensor.unflatten, torch.tanh, Tensor.tanh) \
                 and args[0] in self._scores:
-            self._carry(args[0], out, None, "")  # scaling or reshaping the scores
+            self._carry(args[0], out, None, "")  # scaling, capping (Gemma 2's tanh) or reshaping
 
     def _applied(self, weights: Tensor) -> None:
         """The weights a product with V consumes are the ones the model applied: where it
@@ -282,6 +282,15 @@ class OpObserver(TorchFunctionMode):
                 extra={"batch_first_query": list(query.shape)})
         op.weights, op.blocked = weights.detach(), blocked
         self._emit(op)
+
+
+def _addmm_operands(args, kwargs) -> tuple:
+    """The two factors of ``input + A @ B`` (``addmm``, ``baddbmm``), positional or by name
+    (Bloom calls ``alibi.baddbmm(batch1=Q, batch2=K)``)."""
+    rest = list(args[1:3])
+    for names in (("mat1", "mat2"), ("batch1", "batch2")):
+        rest += [kwargs[n] for n in names if n in kwargs]
+    return rest[0], rest[1]
 
 
 def _softmax_dim(args, kwargs) -> int:
