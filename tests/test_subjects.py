@@ -176,6 +176,88 @@ def test_hf_masks_check_on_gpt2(cli, hf_configs):
     assert "padding of input_ids: content" in result.stdout
 
 
+# --- Attention: SDPA where Transformers has it for the class, else the model's eager one ---
+
+@pytest.fixture(scope="module")
+def eager_only(tmp_path_factory):
+    """Two classes Transformers has no SDPA path for: Gemma 2 (its scores are soft-capped
+    with tanh before the softmax) and Bloom (ALiBi added through ``baddbmm``)."""
+    folder = tmp_path_factory.mktemp("eager")
+    configs = {
+        "gemma2": (transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=96, sliding_window=4,
+            max_position_embeddings=64), "Gemma2ForCausalLM"),
+        "bloom": (transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
+                  "BloomForCausalLM"),
+    }
+    paths = {}
+    for name, (config, _) in configs.items():
+        paths[name] = folder / f"{name}.json"
+        config.to_json_file(paths[name])
+    return configs, paths
+
+
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_hf_without_sdpa_runs_its_eager_attention(cli, eager_only, name):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    configs, paths = eager_only
+    config, cls = configs[name]
+    assert not getattr(transformers, cls)._supports_sdpa  # the premise: SDPA is refused
+    data = run_json(cli, "shapes", "--model", f"hf:{paths[name]}", "--dim", "L=10",
+                    "--batch-size", "2")
+    assert data["subject"]["attention"] == "eager"
+    assert "eager attention" in data["subject"]["label"]
+    config._attn_implementation = "eager"
+    model = getattr(transformers, cls)(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 10))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert data["flops"]["forward"] == counter.get_total_flops()  # baddbmm counted too
+    params = run_json(cli, "params", "--model", f"hf:{paths[name]}")
+    assert params["total_params"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_hf_masks_check_sees_eager_attention(cli, eager_only, name):
+    """The check must find the weights behind a tanh cap and a baddbmm, or it cannot pass."""
+    _, paths = eager_only
+    result = cli("masks", "--model", f"hf:{paths[name]}", "--causal", "input_ids", "--check")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout.count("✓ attention ") == 2  # one per layer
+    assert "PASSED" in result.stdout
+
+
+def test_attn_implementation_is_chosen_and_refused_where_absent(cli, hf_configs, eager_only,
+                                                                 tmp_path):
+    _, paths = hf_configs
+    data = run_json(cli, "shapes", "--model", f"hf:{paths['llama']}", "--attn-implementation",
+                    "eager")
+    assert data["subject"]["attention"] == "eager"
+    assert not [e for e in data["events"] for d in e["details"] if d["label"].startswith("sdpa")]
+    assert run_json(cli, "shapes", "--model", f"hf:{paths['llama']}")["subject"]["attention"] \
+        == "sdpa"
+    asked = json.loads(paths["llama"].read_text()) | {"attn_implementation": "eager"}
+    (tmp_path / "config.json").write_text(json.dumps(asked))
+    assert run_json(cli, "params", "--model", f"hf:{tmp_path}")["subject"]["attention"] \
+        == "eager"  # the config's own request is kept
+    result = cli("params", "--model", f"hf:{eager_only[1]['gemma2']}", "--attn-implementation",
+                 "sdpa")
+    assert result.exit_code == 2 and "Gemma2ForCausalLM has no scaled_dot_product_attention" \
+        in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = cli("params", "--preset", "tiny", "--attn-implementation", "eager")
+    assert result.exit_code == 2 and "--set attention=naive|sdpa" in result.stderr
+
+
+def test_bench_names_the_model_and_its_eager_attention(cli, eager_only):
+    data = run_json(cli, "bench", "--what", "model", "--model", f"hf:{eager_only[1]['gemma2']}",
+                    "--seq-lens", "8", "--pass", "fwd", "--min-time", "0.01", "--max-time",
+                    "0.05")
+    assert data["subject"]["attention"] == "eager"
+    assert data["records"][0]["kernel_ran"] == "matmul+softmax"  # no SDPA call in the trace
+
+
 def test_bench_model_runs_a_user_model(cli):
     data = run_json(cli, "bench", "--what", "model", *TUTORIAL, "--seq-lens", "8,16",
                     "--pass", "fwd", "--min-time", "0.01", "--max-time", "0.2")

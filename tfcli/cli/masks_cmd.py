@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list, resolve_subject,
                                sizes)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
@@ -81,6 +81,7 @@ RULES = Rules(
 def masks(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    attn_implementation: AttnImplOpt = AttnImplementation.auto,
     input_: InputOpt = None, dim: DimOpt = None,
     causal: Annotated[Optional[list[str]], typer.Option(
         "--causal", metavar="NAME", show_default=False,
@@ -147,7 +148,8 @@ def masks(
     from tfcli.model import masks as mask_fns
     from tfcli.render.masks import render_masks, render_verdict
 
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)
     if getattr(subject, "cfg", None) is None:
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
                    check, max_grid, json_out, max_memory, mask, window)

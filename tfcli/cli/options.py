@@ -4,6 +4,7 @@ and the command class that applies what is declared about each option (``tfcli.c
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -49,6 +50,18 @@ HfClassOpt = Annotated[Optional[str], typer.Option(
     "--hf-class", metavar="CLASS", show_default=False,
     help="Transformers model class for --model hf:PATH (default: the config's architectures, "
          "else the causal-LM, seq2seq-LM or base class).")]
+class AttnImplementation(str, Enum):
+    auto = "auto"
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+AttnImplOpt = Annotated[AttnImplementation, typer.Option(
+    "--attn-implementation", metavar="auto|sdpa|eager", show_default=False,
+    help="Attention a --model hf:PATH model runs: sdpa (torch's scaled_dot_product_attention) "
+         "or eager (the model's own softmax(QKᵀ)V). Default auto: what the config.json asks "
+         "for if eager, else sdpa where Transformers has it for the class, else eager; the "
+         "one that ran is named in the output and in --json.")]
 InputOpt = Annotated[Optional[list[str]], typer.Option(
     "--input", "-i", metavar="NAME=DTYPE[DIMS]", show_default=False,
     help="An input of --model's forward, e.g. src=int64[B,S] or x=float32[B,L,512]; integer "
@@ -68,10 +81,12 @@ def resolve_config(preset: str | None, config: Path | None, overrides: list[str]
     return load_config(preset, config, overrides or [])
 
 
-def resolve_subject(preset, config, overrides, model, model_args, hf_class, inputs):
+def resolve_subject(preset, config, overrides, model, model_args, hf_class, inputs,
+                    attn_implementation=AttnImplementation.auto):
     from tfcli.subjects import resolve_subject as resolve
 
-    return resolve(preset, config, overrides, model, model_args, hf_class, inputs)
+    return resolve(preset, config, overrides, model, model_args, hf_class, inputs,
+                   AttnImplementation(attn_implementation).value)
 
 
 

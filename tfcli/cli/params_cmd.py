@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (MAX_SIZE, ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt,
+from tfcli.cli.options import (AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt,
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
@@ -133,6 +133,7 @@ RULES = Rules(
 def params(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    attn_implementation: AttnImplOpt = AttnImplementation.auto,
     input_: InputOpt = None, dim: DimOpt = None,
     depth: Annotated[int, typer.Option(
         min=0, help="Table depth: 0 totals only, 1 components, 2 layers, 3 sublayers, "
@@ -200,7 +201,8 @@ def params(
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
     if seq_len is not None and seq_len > MAX_SIZE:  # so a --set max_seq_len hint is allowed

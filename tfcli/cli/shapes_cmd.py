@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
                                max_seq_len_hint, refuse_unused_sizes,
                                resolve_subject, sizes)
@@ -54,6 +54,7 @@ RULES = Rules(
 def shapes(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    attn_implementation: AttnImplOpt = AttnImplementation.auto,
     input_: InputOpt = None, dim: DimOpt = None,
     batch_size: Annotated[int, typer.Option(min=1, help="B in the example batch.")] = 2,
     src_len: Annotated[int, typer.Option(min=1, help="S, the source length.")] = 9,
@@ -79,7 +80,8 @@ def shapes(
 ) -> None:
     """Trace every tensor shape through every sublayer, with symbolic dimensions and FLOPs."""
     RULES.apply(locals())
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)
     _check_device(device.value)
     refuse_unused_sizes(subject, {option: value for option, value, name in (
         ("--batch-size", batch_size, "batch_size"), ("--src-len", src_len, "src_len"),

@@ -10,13 +10,16 @@ from pathlib import Path
 def resolve_subject(preset: str | None = None, config: Path | None = None,
                     overrides: list[str] | None = None, model: str | None = None,
                     model_args: list[str] | None = None, hf_class: str | None = None,
-                    inputs: list[str] | None = None):
+                    inputs: list[str] | None = None, attn_implementation: str = "auto"):
     """The Subject the options name: ``--model`` (a file/module callable or ``hf:PATH``) or
     tfcli's own model from ``--preset/--config/--set``; never both."""
     if hf_class is not None and not hf_class.strip():
         raise _error(f"--hf-class {hf_class!r}: give a Transformers model class name, e.g. "
                      f"LlamaForCausalLM")
     if model is None:
+        if attn_implementation != "auto":
+            raise _error("--attn-implementation applies to --model hf:PATH; tfcli's own model "
+                         "chooses with --set attention=naive|sdpa")
         for option, value in (("--model-arg", model_args), ("--hf-class", hf_class),
                               ("--input", inputs)):
             if value:
@@ -46,9 +49,11 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
                          "is configured by its config.json")
         from tfcli.subjects.hf import HFSubject
 
-        return HFSubject(model[3:], hf_class, specs)
-    if hf_class:
-        raise _error("--hf-class applies to --model hf:PATH")
+        return HFSubject(model[3:], hf_class, specs, attn_implementation)
+    for option, value in (("--hf-class", hf_class),
+                          ("--attn-implementation", attn_implementation != "auto")):
+        if value:
+            raise _error(f"{option} applies to --model hf:PATH")
     from tfcli.subjects.user import UserSubject, parse_model_args
 
     return UserSubject(model, parse_model_args(model_args or []), specs)

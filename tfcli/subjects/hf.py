@@ -124,7 +124,8 @@ class HFSubject(Subject):
     runs_on_meta = False
 
     def __init__(self, path_text: str, class_name: str | None = None,
-                 input_specs: list[InputSpec] | None = None) -> None:
+                 input_specs: list[InputSpec] | None = None,
+                 attn_implementation: str = "auto") -> None:
         tf = _transformers()
         path = _config_path(path_text)
         try:
@@ -152,9 +153,9 @@ class HFSubject(Subject):
             raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
                              f"{error_text(error, whole=True)}") from None
         _check_sizes(self.config.to_dict(), path_text)  # with the model type's defaults
-        self.config._attn_implementation = "sdpa"
         self.model_class = self._choose_class(tf, class_name, path_text)
-        self.label = f"hf:{path_text} ({self.model_class.__name__})"
+        self.attention = self._choose_attention(attn_implementation, path_text)
+        self.label = f"hf:{path_text} ({self.model_class.__name__}, {self.attention} attention)"
         self.input_specs = input_specs or []
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
 
@@ -180,13 +181,34 @@ class HFSubject(Subject):
         raise TfcliError(f"--model hf:{path_text}: no Transformers model class for model_type "
                          f"{self.config.model_type!r}; name one with --hf-class")
 
+    def _choose_attention(self, requested: str, path_text: str) -> str:
+        """The attention the model will run: ``auto`` is SDPA where the model class supports it,
+        else its eager attention (what Transformers itself picks when nothing is asked);
+        ``sdpa`` for a class without it is refused here, before anything is built. The
+        choice is set on the config (and so on every sub-config); ``auto`` leaves it to each
+        sub-model, and ``build`` reads back what each one took."""
+        supports_sdpa = bool(getattr(self.model_class, "_supports_sdpa", False))
+        if requested == "auto" and self.config._attn_implementation == "eager":
+            requested = "eager"  # the config.json asks for it (attn_implementation)
+        if requested == "auto":
+            self.config._attn_implementation = None
+            return "sdpa" if supports_sdpa else "eager"
+        if requested == "sdpa" and not supports_sdpa:
+            raise TfcliError(f"--attn-implementation sdpa: Transformers' "
+                             f"{self.model_class.__name__} has no scaled_dot_product_attention "
+                             f"path; use eager (or auto, which picks eager for it)")
+        self.config._attn_implementation = requested
+        return requested
+
     def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
         try:
             with building(device, dtype):
-                return self.model_class(self.config)
+                model = self.model_class(self.config)
         except Exception as error:
             raise TfcliError(f"--model {self.label}: building it raised "
                              f"{error_text(error, whole=True)}") from None
+        self.attention_by_model = _attention_taken(model)
+        return model
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
@@ -249,5 +271,20 @@ class HFSubject(Subject):
         return names
 
     def describe(self) -> dict:
-        return {**super().describe(), "class": self.model_class.__name__,
-                "model_type": self.config.model_type}
+        out = {**super().describe(), "class": self.model_class.__name__,
+               "model_type": self.config.model_type, "attention": self.attention}
+        if len(set(getattr(self, "attention_by_model", {}).values())) > 1:
+            out["attention_by_model"] = self.attention_by_model  # a tower took another
+        return out
+
+
+def _attention_taken(model: nn.Module) -> dict[str, str]:
+    """The attention implementation each Transformers (sub-)model of ``model`` took when
+    built, by module name ("" for the model itself)."""
+    taken = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if isinstance(implementation, str) and hasattr(module, "_supports_sdpa"):
+            taken[name] = implementation
+    return taken
