@@ -64,7 +64,8 @@ def probe(kernel: str, device: str, dtype: torch.dtype) -> str | None:
 
 def kernel_ran(fn: Callable[[], object]) -> str:
     """The SDPA kernel that actually executed (from the profiler). No fused op in the trace
-    means the math path, whose backward is plain matmuls and softmax."""
+    means the math path, whose backward is plain matmuls and softmax; no SDPA call at all (a
+    model's eager attention) is an explicit matmul and softmax."""
     from torch.profiler import ProfilerActivity, profile
 
     from tfcli.inspection.memory import quiet_native_stderr
@@ -78,6 +79,8 @@ def kernel_ran(fn: Callable[[], object]) -> str:
         for short in ("flash", "efficient", "cudnn", "math"):
             if short in op:
                 return f"{short} (cpu)" if op.endswith("_for_cpu") else short
+    if "aten::scaled_dot_product_attention" not in names:
+        return "matmul+softmax" if any("softmax" in n for n in names) else "no attention"
     return "math"
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (ConfigOpt, DimOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list,
                                resolve_subject)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
@@ -78,6 +78,7 @@ def _cpus() -> int:
 def bench(
     preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
     model_ref: ModelOpt = None, model_arg: ModelArgOpt = None, hf_class: HfClassOpt = None,
+    attn_implementation: AttnImplOpt = AttnImplementation.auto,
     input_: InputOpt = None, dim: DimOpt = None,
     what: Annotated[str, typer.Option(
         metavar="attention|model",
@@ -172,7 +173,8 @@ def bench(
     from tfcli.guard import parse_size
 
     memory_limit = parse_size(max_memory) if max_memory is not None else None
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_)
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)
     cfg = getattr(subject, "cfg", None)
     lengths = sorted(set(int_list(seq_lens, "--seq-lens", "256,512,1024", minimum=1)))
     if max(lengths) > BIG:
@@ -288,13 +290,17 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
             csv_out.discard()
         raise
     if json_out:
-        print_json({"environment": env, "spec": vars(spec), "interrupted": sweep.interrupted,
+        print_json({"environment": env, "spec": vars(spec),
+                    "subject": subject.describe() if subject is not None else None,
+                    "interrupted": sweep.interrupted,
                     "notes": sweep.notes, "records": [r.to_dict() for r in records],
                     "fits": [vars(f) for f in fitted],
                     "flop_convention": "2 × multiply-accumulates of matrix products; backward "
                                        "= 2 × forward; causal attention counts half"})
     else:
         console = stdout()
+        if subject is not None:
+            console.print(f"model: {subject.label}", highlight=False)
         render(records, fitted, env, console, sweep.interrupted)
         for line in [*sweep.notes, *written]:
             console.print(line)
