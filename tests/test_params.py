@@ -98,6 +98,33 @@ def test_displayed_rows_account_for_every_parameter(name, depth, expand):
     assert max(r.depth for r in rows) <= depth
 
 
+class _RootHeld(torch.nn.Module):
+    """Parameters the table has no child row for: one on the model itself, and weight_norm's
+    originals, which torch registers on a ParametrizationList (a ModuleList); the two
+    repeated blocks must still collapse into one row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(7), requires_grad=False)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3)) for _ in range(2))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("expand", [False, True])
+def test_rows_account_for_root_held_and_parametrized_parameters(depth, expand):
+    model = _RootHeld()
+    report = param_report(model)
+    rows = display_rows(report, depth, expand)
+    assert sum(r.accounted for r in rows) == sum(p.numel() for p in model.parameters()) == 7 + 2 * (3 + 15)
+    root = rows[0]
+    assert (root.path, root.params, root.trainable) == ("(model)", 7, False)
+    if depth >= 2:  # original0 [3, 1] and original1 [3, 4] of each block, on their own row
+        originals = [r for r in rows if "original0" in r.shapes]
+        assert originals and sum(r.params for r in originals) == 2 * 15
+        assert len(originals) == (2 if expand else 1)
+
+
 def test_collapse_and_expand():
     _, report = report_for("vaswani-base")
     collapsed = [r.path for r in display_rows(report, 2, expand=False)]

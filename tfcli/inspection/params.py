@@ -28,7 +28,9 @@ class LayerRow:
     trainable: bool | None = True  # None: some frozen, some not
     shared_with: list[str] = field(default_factory=list)  # other names of its direct parameters
     tied_to: dict[str, str] = field(default_factory=dict)  # direct parameter -> owner elsewhere
-    container: bool = False  # a ModuleList/ModuleDict: grouping only
+    container: bool = False  # a ModuleList/ModuleDict: grouping only (torch's
+    # parametrizations hold their original tensors on one: weight_norm's original0/original1)
+    own_trainable: bool | None = True  # of the parameters registered directly on it
 
 
 @dataclass
@@ -157,6 +159,7 @@ def param_report(model: nn.Module) -> ParamReport:
         direct = list(module.named_parameters(recurse=False, remove_duplicate=False))
         own = [(n, p) for n, p in direct if owner[id(p)] == prefix + n]
         flags = {p.requires_grad for p in owned}
+        own_flags = {p.requires_grad for _, p in own}
         parts = path.split(".") if path else []
         chain = [modules[".".join(parts[:i])] for i in range(len(parts) + 1)]
         n_containers = sum(isinstance(m, containers) for m in chain[1:-1])
@@ -167,7 +170,9 @@ def param_report(model: nn.Module) -> ParamReport:
             trainable=flags.pop() if len(flags) == 1 else (True if not flags else None),
             shared_with=sorted({a for n, p in direct for a in names[id(p)] if a != prefix + n}),
             tied_to={n: owner[id(p)] for n, p in direct if owner[id(p)] != prefix + n},
-            container=isinstance(module, containers)))
+            container=isinstance(module, containers),
+            own_trainable=own_flags.pop() if len(own_flags) == 1 else (True if not own_flags
+                                                                        else None)))
         for _, p in own:
             by_kind[_kind(chain, parts)] += p.numel()
             top = parts[0] if parts else "(model)"

@@ -60,8 +60,22 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
     kids = _children(report.layers)
     out: list[DisplayRow] = []
 
+    def own_row(row: LayerRow, shown_path: str, name: str, repeat: int) -> None:
+        """The parameters registered on a module that otherwise only groups others: the
+        model itself (a root-level scale), a container (a parametrization's originals)."""
+        times = f" ×{repeat}" if repeat > 1 else ""
+        shapes = ", ".join(f"{k} {v}" + (f" ≡ {row.tied_to[k]}" if k in row.tied_to else "")
+                           for k, v in row.shape.items())
+        out.append(DisplayRow(shown_path, name, max(row.depth, 1), row.type + times,
+                              row.own_params * repeat, shapes, row.own_trainable,
+                              row.shared_with, row.own_params * repeat))
+
     def emit(row: LayerRow, shown_path: str, repeat: int, in_container: bool = False) -> None:
         if row.container:
+            if row.shape and row.depth <= depth:  # "parametrizations.weight"
+                parent, _, last = shown_path.rpartition(".")
+                own_row(row, shown_path, f"{parent.rpartition('.')[2]}.{last}".lstrip("."),
+                        repeat)
             children = kids.get(row.path, [])
             i = 0
             while i < len(children):
@@ -96,6 +110,9 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
             for child in kids.get(row.path, []):
                 emit(child, f"{shown_path}.{child.path.rpartition('.')[2]}", repeat)
 
+    root = report.layers[0] if report.layers else None
+    if root is not None and root.shape and depth >= 1:
+        own_row(root, "(model)", "(model)", 1)
     for top in kids.get("", []):
         emit(top, top.path, 1)
     return out
