@@ -623,3 +623,197 @@ def test_a_config_naming_a_hub_backbone_is_refused_without_touching_the_network(
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "takes its backbone ('microsoft/resnet-50') from the Hugging Face Hub" in result.stderr
     assert no_network == []
+
+
+# --- Hugging Face model ids: hf:ORG/NAME[@REVISION] (issue 22) ------------------------------
+
+SHA_MAIN, SHA_DEV = "1" * 40, "2" * 40
+
+
+def gpt2_config(n_layer: int):
+    return transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=100,
+                                   n_positions=32, bos_token_id=0, eos_token_id=0,
+                                   architectures=["GPT2LMHeadModel"])
+
+
+def transformers_count(config) -> int:
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    return sum(p.numel() for p in model.parameters())  # tied weights once
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face cache in huggingface_hub's layout (blobs, refs, snapshots linking to
+    blobs) holding acme/tiny-gpt2: main (1 layer) and branch dev (2 layers) at two commits.
+    HF_HUB_CACHE points at it; the Hub is offline and any download fails the test."""
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-gpt2"
+    for sha, ref, layers in ((SHA_MAIN, "main", 1), (SHA_DEV, "dev", 2)):
+        blob = repo / "blobs" / f"blob{layers}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        gpt2_config(layers).to_json_file(blob)
+        (repo / "snapshots" / sha).mkdir(parents=True)
+        (repo / "snapshots" / sha / "config.json").symlink_to(f"../../blobs/{blob.name}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError(f"downloaded {args} {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    return cache
+
+
+@pytest.mark.parametrize("revision,sha,layers", [(None, SHA_MAIN, 1), ("dev", SHA_DEV, 2),
+                                                 (SHA_DEV, SHA_DEV, 2)])
+def test_an_hf_id_is_read_from_the_local_cache(cli, hub_cache, revision, sha, layers):
+    model = "acme/tiny-gpt2" + (f"@{revision}" if revision else "")
+    data = run_json(cli, "params", "--model", f"hf:{model}")
+    assert data["total_params"] == transformers_count(gpt2_config(layers))
+    subject = data["subject"]
+    assert subject["label"] == f"hf:{model} (GPT2LMHeadModel)"
+    assert subject["config_from"] == "cache"
+    expected = hub_cache / "models--acme--tiny-gpt2" / "snapshots" / sha / "config.json"
+    assert subject["config_file"] == str(expected)
+
+
+def test_the_test_cache_is_the_layout_huggingface_hub_reads(hub_cache):
+    from huggingface_hub import file_download
+
+    found = file_download.hf_hub_download("acme/tiny-gpt2", "config.json", revision="dev",
+                                          cache_dir=str(hub_cache), local_files_only=True)
+    assert found == str(hub_cache / "models--acme--tiny-gpt2" / "snapshots" / SHA_DEV
+                        / "config.json")
+
+
+@pytest.mark.parametrize("model,words", [
+    ("acme/absent", "acme/absent is not in the local Hugging Face cache"),
+    ("acme/absent", "HF_HUB_OFFLINE is set; download its config with `hf download acme/absent "
+                    "config.json`, or give a config.json path"),
+    ("acme/tiny-gpt2@v9", "revision 'v9' of acme/tiny-gpt2 is not in the local Hugging Face "
+                          "cache"),
+    ("acme/tiny-gpt2@", "'' is not a revision"),
+    ("acme/tiny-gpt2@a..b", "'a..b' is not a revision"),
+    ("configs/missing.json", "no such file 'configs/missing.json' (give a config.json, a "
+                             "directory holding one, or a Hugging Face model id ORG/NAME"),
+    ("acme/tiny/gpt2", "no such file"),
+])
+def test_an_hf_id_that_cannot_be_read_offline_is_one_line(cli, hub_cache, model, words):
+    result = cli("params", "--model", f"hf:{model}")
+    assert result.exit_code == 2, result.stdout
+    assert words in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_local_directory_spelled_like_an_id_wins(cli, hub_cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "tiny-gpt2").mkdir(parents=True)
+    gpt2_config(3).to_json_file(tmp_path / "acme" / "tiny-gpt2" / "config.json")
+    data = run_json(cli, "params", "--model", "hf:acme/tiny-gpt2")
+    assert data["total_params"] == transformers_count(gpt2_config(3))
+    assert data["subject"]["config_from"] == "path"
+    (tmp_path / "acme" / "tiny-gpt2" / "config.json").unlink()  # a directory, still a path
+    result = cli("params", "--model", "hf:acme/tiny-gpt2")
+    assert result.exit_code == 2 and "no such file 'acme/tiny-gpt2/config.json'" in result.stderr
+
+
+@pytest.fixture
+def fake_hub(hub_cache, monkeypatch):
+    """The Hub reachable (HF_HUB_OFFLINE unset, as in a fresh process), answered by a fake
+    that serves acme/new-gpt2's config.json and answers other models as the Hub does, through
+    huggingface_hub's own download code. Returns the requests it saw."""
+    import huggingface_hub
+    from huggingface_hub import file_download
+    from huggingface_hub.utils import _http  # its HTTP client module (httpx or a fork)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", file_download.hf_hub_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    httpx = importlib.import_module(type(huggingface_hub.get_session()).__module__.split(".")[0])
+    body = gpt2_config(2).to_json_string().encode()
+    errors = {"gated": (403, "GatedRepo"), "private": (401, "RepoNotFound"),
+              "weights-only": (404, "EntryNotFound")}
+    seen: list[str] = []
+
+    def answer(request):
+        seen.append(f"{request.method} {request.url.path}")
+        name = request.url.path.split("/")[2]
+        if name in errors:
+            status, code = errors[name]
+            return httpx.Response(status, headers={"X-Error-Code": code}, request=request)
+        if "/resolve/v9/" in request.url.path:
+            return httpx.Response(404, headers={"X-Error-Code": "RevisionNotFound"},
+                                  request=request)
+        headers = {"X-Repo-Commit": "3" * 40, "ETag": '"e"', "Content-Length": str(len(body))}
+        return httpx.Response(200, headers=headers, request=request,
+                              content=b"" if request.method == "HEAD" else body)
+
+    huggingface_hub.set_client_factory(
+        lambda: httpx.Client(transport=httpx.MockTransport(answer)))
+    yield seen
+    huggingface_hub.set_client_factory(_http.default_client_factory)
+
+
+def test_an_hf_id_absent_from_the_cache_fetches_config_json_alone(cli, fake_hub, hub_cache):
+    data = run_json(cli, "params", "--model", "hf:acme/new-gpt2")
+    assert data["total_params"] == transformers_count(gpt2_config(2))
+    assert data["subject"]["config_from"] == "hub"
+    assert fake_hub and all(r.endswith("/acme/new-gpt2/resolve/main/config.json")
+                            for r in fake_hub), fake_hub
+    assert data["subject"]["config_file"].startswith(str(hub_cache))
+    fake_hub.clear()
+    again = run_json(cli, "params", "--model", "hf:acme/new-gpt2")  # now from the cache
+    assert again["subject"]["config_from"] == "cache" and fake_hub == []
+    run_json(cli, "params", "--model", "hf:acme/tiny-gpt2")  # cached: the Hub is not asked
+    assert fake_hub == []
+
+
+@pytest.mark.parametrize("model,words", [
+    ("acme/gated", "acme/gated is gated: accept its terms on https://huggingface.co/acme/gated "
+                   "with your account, then log in with `hf auth login`"),
+    ("acme/private", "the Hugging Face Hub has no model acme/private, or it is private"),
+    ("acme/new-gpt2@v9", "acme/new-gpt2 has no revision 'v9' on the Hugging Face Hub"),
+    ("acme/weights-only", "acme/weights-only has no config.json on the Hugging Face Hub"),
+])
+def test_an_hf_id_the_hub_refuses_is_one_line(cli, fake_hub, model, words):
+    result = cli("params", "--model", f"hf:{model}")
+    assert result.exit_code == 2, result.stdout
+    assert words in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("hub_offline,transformers_offline,online,words", [
+    (None, None, True, "and the Hub could not be reached; check the connection and the id"),
+    ("0", "1", True, "and the Hub could not be reached"),  # the first one given decides
+    (None, "yes", False, "and TRANSFORMERS_OFFLINE is set; download its config with"),
+])
+def test_the_users_environment_decides_whether_the_hub_is_asked(
+        cli, hub_cache, monkeypatch, hub_offline, transformers_offline, online, words):
+    """Read as huggingface_hub reads it. Online, the Hub is unreachable: huggingface_hub's
+    answer then (its own retries take seconds, so its download is replaced by one that gives
+    that answer at once)."""
+    import huggingface_hub
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    asked = []
+
+    def unreachable(repo_id, filename, **kwargs):
+        asked.append((repo_id, filename))
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    for name, value in (("HF_HUB_OFFLINE", hub_offline),
+                        ("TRANSFORMERS_OFFLINE", transformers_offline)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    result = cli("params", "--model", "hf:acme/absent")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert words in result.stderr
+    assert asked == ([("acme/absent", "config.json")] if online else [])

@@ -36,12 +36,15 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     help="Override one field, e.g. --set d_model=256 (repeatable; applied last).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", metavar="FILE.py:NAME|module:NAME|hf:PATH", show_default=False,
+    "--model", "-m", metavar="FILE.py:NAME|module:NAME|hf:PATH|hf:ORG/NAME[@REV]",
+    show_default=False,
     help="Inspect a model tfcli did not build: NAME is an nn.Module subclass or a callable "
          "returning a module or (module, example_inputs); importing FILE runs its code (your "
          "explicit opt-in; nothing else is executed). hf:PATH builds the Transformers model "
          "for a config.json (or a directory holding one) from the config alone, random "
-         "weights, nothing downloaded.")]
+         "weights; hf:ORG/NAME (or hf:ORG/NAME@REVISION) takes a Hub model's config.json "
+         "from the local Hugging Face cache, downloading that one file when it is absent "
+         "unless HF_HUB_OFFLINE is set. No weights, no remote code.")]
 ModelArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--model-arg", metavar="KEY=VALUE", show_default=False,
     help="Keyword argument for --model's callable, read as a Python literal (else a string); "

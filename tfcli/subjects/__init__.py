@@ -11,7 +11,8 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
                     overrides: list[str] | None = None, model: str | None = None,
                     model_args: list[str] | None = None, hf_class: str | None = None,
                     inputs: list[str] | None = None, attn_implementation: str = "auto"):
-    """The Subject the options name: ``--model`` (a file/module callable or ``hf:PATH``) or
+    """The Subject the options name: ``--model`` (a file/module callable, ``hf:PATH`` or
+    ``hf:ORG/NAME[@REVISION]``) or
     tfcli's own model from ``--preset/--config/--set``; never both."""
     if hf_class is not None and not hf_class.strip():
         raise _error(f"--hf-class {hf_class!r}: give a Transformers model class name, e.g. "

@@ -1,9 +1,10 @@
 """A Hugging Face configuration as a Subject: ``--model hf:PATH`` (a ``config.json`` or a
-directory holding one).
+directory holding one) or ``--model hf:ORG/NAME[@REVISION]`` (a model id; see hf_source for how
+its config.json is found).
 
 The Transformers model class for that configuration is built from the configuration alone:
 random initialisation. tfcli reads the JSON itself and hands it to ``AutoConfig.for_model``, so
-nothing is downloaded and no remote code (``auto_map``) is ever run.
+no weights are downloaded and no remote code (``auto_map``) is ever run.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,8 +19,7 @@ from torch import nn
 from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
                                  error_text, make_tensors)
-
-MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few kB; refuse anything absurd before reading
+from tfcli.subjects.hf_source import NEEDS_TRANSFORMERS, config_source, hub_offline
 
 
 def _transformers():
@@ -39,24 +38,9 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise TfcliError("--model hf:...: needs Transformers: pip install "
-                         "'transformers>=4.45' (the 'hf' extra; from tfcli's clone: pip install "
-                         "'.[hf]')") from None
+        raise TfcliError(f"--model hf:...: {NEEDS_TRANSFORMERS}") from None
     transformers.logging.set_verbosity_error()  # its advice on configs is not tfcli's output
     return transformers
-
-
-def _config_path(path_text: str) -> Path:
-    path = Path(path_text)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise TfcliError(f"--model hf:{path_text}: no such file {str(path)!r} (give a "
-                         f"config.json or a directory holding one)")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise TfcliError(f"--model hf:{path_text}: {path.stat().st_size:,} bytes is not a "
-                         f"config.json (at most {MAX_CONFIG_BYTES:,})")
-    return path
 
 
 def _check_model_type(tf, model_type, path_text: str) -> None:
@@ -126,8 +110,11 @@ class HFSubject(Subject):
     def __init__(self, path_text: str, class_name: str | None = None,
                  input_specs: list[InputSpec] | None = None,
                  attn_implementation: str = "auto") -> None:
+        # The config first, while the Hub is as the user left it: only its one download may
+        # go online; everything asked of Transformers afterwards stays offline.
+        self.source = config_source(path_text, offline=hub_offline())
         tf = _transformers()
-        path = _config_path(path_text)
+        path = self.source.path
         try:
             data = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -272,7 +259,8 @@ class HFSubject(Subject):
 
     def describe(self) -> dict:
         out = {**super().describe(), "class": self.model_class.__name__,
-               "model_type": self.config.model_type, "attention": self.attention}
+               "model_type": self.config.model_type, "attention": self.attention,
+               "config_file": str(self.source.path), "config_from": self.source.origin}
         if len(set(getattr(self, "attention_by_model", {}).values())) > 1:
             out["attention_by_model"] = self.attention_by_model  # a tower took another
         return out
