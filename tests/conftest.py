@@ -7,6 +7,9 @@ import os
 # two-core machine, and more threads than cores make OpenMP's waiting workers spin on the
 # cores the other needs. Set before torch is imported; the processes inherit it.
 os.environ["OMP_NUM_THREADS"] = "1"
+# No test may reach the network: an hf:ORG/NAME id missing from a test's cache would otherwise
+# be asked of the Hub (and wait out its retries). Tests of that path unset it themselves.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

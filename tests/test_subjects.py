@@ -676,7 +676,7 @@ def test_an_hf_id_is_read_from_the_local_cache(cli, hub_cache, revision, sha, la
     data = run_json(cli, "params", "--model", f"hf:{model}")
     assert data["total_params"] == transformers_count(gpt2_config(layers))
     subject = data["subject"]
-    assert subject["label"] == f"hf:{model} (GPT2LMHeadModel)"
+    assert subject["label"] == f"hf:{model} (GPT2LMHeadModel, sdpa attention)"
     assert subject["config_from"] == "cache"
     expected = hub_cache / "models--acme--tiny-gpt2" / "snapshots" / sha / "config.json"
     assert subject["config_file"] == str(expected)
