@@ -188,6 +188,11 @@ class HFSubject(Subject):
         return requested
 
     def build(self, device="meta", dtype=None, kernel=None) -> nn.Module:
+        if not getattr(self, "_size_checked", False):  # once: builds repeat within a command
+            from tfcli.subjects.hf_size import check_module_count
+
+            check_module_count(self.model_class, self.config, LAYER_KEYS, self.label)
+            self._size_checked = True
         try:
             with building(device, dtype):
                 model = self.model_class(self.config)

@@ -1,0 +1,63 @@
+"""A Transformers config of very many layers is counted before it is built: the estimate of its
+modules against the model Transformers builds, the refusal when they would not fit, the note
+before a long build."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tfcli.guard import Budget  # noqa: E402
+from tfcli.subjects import hf_size  # noqa: E402
+from tfcli.subjects.hf import LAYER_KEYS, HFSubject  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """300 layers (past the probe's threshold), with a per-layer list the probe must cut."""
+    config = transformers.Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=300,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      vocab_size=64, max_position_embeddings=32)
+    path = tmp_path_factory.mktemp("deep") / "config.json"
+    config.to_json_file(path)
+    assert len(json.loads(path.read_text())["layer_types"]) == 300
+    with torch.device("meta"):
+        modules = sum(1 for _ in transformers.Qwen2ForCausalLM(config).modules())
+    return path, modules
+
+
+def test_the_module_estimate_equals_the_model_transformers_builds(deep):
+    path, modules = deep
+    subject = HFSubject(str(path))
+    assert hf_size.module_estimate(subject.model_class, subject.config, LAYER_KEYS) == modules
+
+
+def test_a_shallow_config_is_not_probed(cli, tmp_path):
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, vocab_size=64)
+    config.to_json_file(tmp_path / "config.json")
+    subject = HFSubject(str(tmp_path))
+    assert hf_size.module_estimate(subject.model_class, subject.config, LAYER_KEYS) is None
+
+
+def test_modules_that_would_not_fit_are_refused_before_building(cli, deep, monkeypatch):
+    path, modules = deep
+    monkeypatch.setattr("tfcli.guard.available", lambda *a, **k: Budget(2**20, "MemAvailable"))
+    result = cli("params", "--model", f"hf:{path}")
+    assert result.exit_code == 2, result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert f"300 layers are about {modules:,} modules" in line
+    assert "1 MiB is available (MemAvailable)" in line
+
+
+def test_a_long_build_is_announced(cli, deep, monkeypatch):
+    path, modules = deep
+    monkeypatch.setattr(hf_size, "ANNOUNCE_ABOVE", modules - 1)
+    result = cli("params", "--model", f"hf:{path}", "--depth", "0")
+    assert result.exit_code == 0, result.stderr
+    assert f"300 layers are about {modules:,} modules" in result.stderr
