@@ -319,6 +319,15 @@ class Sweep:
                 if note not in self.notes:
                     self.notes.append(note)
             self._flops[key] = (events[0].flops, events[0].attention_flops)
+            experts = self.subject.describe().get("experts_implementation")
+            note = experts and (
+                f"mixture of experts: timed as Transformers runs them "
+                f"(experts_implementation {experts['real_tensors']}); FLOPs from the trace, "
+                f"which ran the {experts['meta_and_fake_tensors']}: each token meets k experts "
+                f"whatever the routing, so the count is the real run's")
+            if note and note not in self.notes and any(
+                    e.routing and e.routing["how"] == "uniform" for e in events):
+                self.notes.append(note)
         return self._flops[key]
 
     def _prepare_cell(self, length: int, kernel: str, which: str, device: str,

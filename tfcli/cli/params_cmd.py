@@ -236,7 +236,7 @@ def params(
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
-    report = param_report(model)
+    report = param_report(model, subject.experts_per_token())
 
     activations, how, memory = None, "", []
     if seq_len is not None:

@@ -126,6 +126,7 @@ class NotAbstract(Exception):
 def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, lengths,
                     batch_size, depth, expand, backward, causal_flops, json_out,
                     may_fall_back: bool = False, fallback: str | None = None) -> None:
+    from tfcli.inspection import moe
     from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
     from tfcli.inspection.shapes import (ForwardFailed, ambiguous, infer_dims, reused_calls,
                                          symbolic, trace)
@@ -136,6 +137,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     from tfcli.render.progress import working
 
     cfg = getattr(subject, "cfg", None)
+    if device_name != "meta":
+        subject.count_natively()  # torch's counter is the check: let it see every product
     with working(f"building the model on {device_name}"):  # on stderr, at a terminal only
         model = subject.build(run_device).eval()
         inputs = subject.make_inputs(model, dims, run_device)
@@ -172,6 +175,12 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
             typer.echo(f"tfcli: {failure}{hint}", err=True)
         raise typer.Exit(1) from None
     names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
+    experts = moe.find_experts(model, subject.experts_per_token())
+    if experts:
+        names.update(moe.dim_names(experts))
+        if "L" in used:
+            names["B·L"] = used["B"] * used["L"]
+    moe_flops = moe.flops_summary(experts, events)
 
     forward = events[0].flops
     windowed = subject.windowed_flops(events) if hasattr(subject, "windowed_flops") else None
@@ -185,6 +194,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     ours = forward * (3 if backward else 1)
     as_torch = forward + events[0].backward_torch if backward else None
     reasons, reconciled = _reconcile(events[0], counter, backward, causal_flops)
+    unseen = [op for op in counter.missing if op not in counter.registered]
     unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
     reused = reused_calls(events, model)
 
@@ -200,12 +210,14 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                                              for s in e.outputs]} for e in events],
             "flops": {"forward": forward, "backward": 2 * forward if backward else None,
                       "forward_backward_as_torch_runs_it": as_torch,
-                      "reconciled_exactly": reconciled,
+                      "reconciled_exactly": reconciled and not unseen,
+                      "uncounted_by_either": unseen,
                       "convention": CONVENTION, "causal_half": causal_flops,
                       "flop_counter": counter.flop_counter, "flop_counter_corrected":
                           counter.corrected, "uncounted_ops": counter.missing,
                       "formulas_registered": counter.registered, "differences": reasons,
                       "forward_windowed": windowed},
+            "moe": moe_flops,
         })
         return
     console = stdout()
@@ -241,18 +253,53 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"  difference: {reason}")
     if as_torch is not None:
         console.print(f"  as torch runs it: {flops_text(as_torch)} ({as_torch:,})")
-    if reconciled:
+    if reconciled and unseen:  # equal, but both sides are blind to the same work
+        console.print(f"  equal to torch's count ({counter.corrected:,}) only on the products "
+                      f"both can see: neither counts {', '.join(unseen)}, so both figures "
+                      f"leave its work out", style="yellow")
+    elif reconciled:
         console.print(f"  reconciled: the differences above account for torch's count exactly "
                       f"({counter.corrected:,})" if reasons else
                       f"  equal to torch's count ({counter.corrected:,})")
     elif not causal_flops:
         console.print(f"  not reconciled: {counter.corrected - (as_torch or forward):+,} FLOPs "
                       f"that tfcli cannot explain", style="yellow")
+    if moe_flops is not None:
+        _print_moe(console, moe_flops, names, subject.describe(), forward)
     if windowed is not None:
         console.print(f"  effective with the sliding window (attention_window="
                       f"{cfg.attention_window}): {flops_text(windowed)} forward — only the "
                       f"(query, key) pairs the window allows; the figures above are dense")
 
+
+
+def _print_moe(console, summary: dict, names: dict, described: dict, forward: int) -> None:
+    """Mixture of experts: the experts' share, FLOPs per token, and how tokens were routed."""
+    from tfcli.inspection.moe import UNIFORM
+    from tfcli.render.shapes import flops_text
+
+    layers, routing = summary["layers"], summary["routing"]
+    top_k = {x["top_k"] for x in layers}
+    console.print(f"mixture of experts: {len(layers)} MoE layer(s), k={'/'.join(map(str, top_k))} "
+                  f"of E={'/'.join(str(n) for n in {x['experts'] for x in layers})} experts "
+                  f"per token; the experts' products: {flops_text(summary['experts_forward_flops'])}"
+                  f" of {flops_text(forward)} forward")
+    if summary["tokens"]:
+        console.print(f"  per token: {flops_text(round(summary['forward_flops_per_token']))} "
+                      f"forward (B·L = {summary['tokens']} tokens), counting only the k experts "
+                      f"each token is routed to")
+    uniform = all(r["how"] == UNIFORM for r in routing)
+    if routing:
+        console.print("  routing: no values to route on, so assumed uniform (each expert gets "
+                      "B·L·k/E token slots); FLOPs and activations do not depend on it, only "
+                      "the tokens per expert do" if uniform else
+                      "  routing: recorded on this run (tokens per expert in each layer: see "
+                      "the tree, or --json)")
+    ran = described.get("experts_implementation")
+    if ran:
+        console.print("  experts ran as: " + (ran["meta_and_fake_tensors"] if uniform else
+                                               f"{ran['real_tensors']} (Transformers' "
+                                               f"experts_implementation)"))
 
 
 def _reconcile(top, counter, backward: bool, causal_flops: bool) -> tuple[list[str], bool]:

@@ -36,13 +36,19 @@ def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
 _HEAVY = ("mm", "matmul", "attention", "conv", "einsum", "linear")
 
 
-def _cpu_flash_formulas() -> dict:
-    """torch <= 2.13 has no formula for the CPU flash kernel (it counts 0); the GPU kernels'
-    formulas apply unchanged, since the first arguments are the same (q, k, v)."""
+def _extra_formulas() -> dict:
+    """Formulas torch <= 2.13 lacks (it counts these ops as 0): the CPU flash kernel, whose
+    first arguments are those of the GPU kernels (q, k, v), so their formulas apply
+    unchanged; and the grouped product of a mixture of experts' layer (aten._grouped_mm)."""
     from torch.utils import flop_counter as fc
+
+    from tfcli.inspection.ops import grouped_mm_flops
 
     aten = torch.ops.aten
     mapping = {}
+    grouped = getattr(aten, "_grouped_mm", None)
+    if grouped is not None and grouped not in fc.flop_registry:
+        mapping[grouped] = lambda a, b, *_, out_shape, **__: grouped_mm_flops(a, b, out_shape)
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         forward = aten._scaled_dot_product_flash_attention_for_cpu  # packets, as the registry
         backward = aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -79,7 +85,7 @@ def flop_counting():
     is filled in on exit."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    extra = _cpu_flash_formulas()
+    extra = _extra_formulas()
     report = CounterReport(0, 0)
     recorder = _OpRecorder()
     with FlopCounterMode(display=False, custom_mapping=extra) as counter, recorder:

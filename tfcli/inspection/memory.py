@@ -384,7 +384,8 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
                                       kernel=kernel)
     how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
-           f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else ""))
+           f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
+           + "".join(f"; {line}" for line in subject.assumptions()))
     return estimate, how
 
 

@@ -50,6 +50,21 @@ def matmul_flops(a_shape, b_shape) -> int:
     return 2 * math.prod(batch) * n * k * m
 
 
+# One grouped product for all of a layer's experts (Transformers' default MoE path).
+_GROUPED = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f}
+
+
+def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
+    """2 × MACs of a grouped product: each output element is a dot product over ``a``'s last
+    axis, except when both operands are 2D (a weight gradient), where the groups split that
+    axis and each output group sums its own share. Every row counts: rows past ``offs[-1]``,
+    which the kernel skips, occur only with expert parallelism."""
+    a, b = list(a_shape), list(b_shape)
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out_shape) * a[-1]
+
+
 def sdpa_flops(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Q·Kᵀ and weights·V: 2·B·h·T·S·d_k + 2·B·h·T·S·d_v, h the query heads (GQA too)."""
     *batch, t, d_k = q.shape
@@ -157,6 +172,11 @@ class OpObserver(TorchFunctionMode):
                 op = Op("matmul", list(out.shape), flops, attention=False, backward=backward)
                 self._scores[out] = (op, None)
                 self._emit(op)
+        elif func in _GROUPED:
+            a, b = args[0], args[1]
+            flops = grouped_mm_flops(a.shape, b.shape, out.shape)
+            self._emit(Op("linear", list(out.shape), flops,
+                          backward=flops * (_needs(a) + _needs(b))))
         elif func is torch.einsum:
             operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) \
                 else args[1]

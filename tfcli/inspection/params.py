@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from torch import Tensor, nn
 
 from tfcli.errors import TfcliError
+from tfcli.inspection.moe import active_params, find_experts
 
 KINDS = ("embedding", "attention", "ffn", "norm", "output", "other")
 
@@ -31,6 +32,7 @@ class LayerRow:
     container: bool = False  # a ModuleList/ModuleDict: grouping only (torch's
     # parametrizations hold their original tensors on one: weight_norm's original0/original1)
     own_trainable: bool | None = True  # of the parameters registered directly on it
+    inactive: int = 0  # of params, those a token does not use: experts its router skips
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ParamReport:
     check_total: int  # sum(p.numel() for p in model.parameters()), for the reconciliation line
     # one module called in several roles, when params ran the model (see shapes.reused_calls)
     reused_calls: list[dict] = field(default_factory=list)
+    experts: list[dict] = field(default_factory=list)  # mixture of experts: one per MoE layer
+    active_params: int | None = None  # per token; None without experts (or k unknown)
 
     @property
     def non_trainable_params(self) -> int:
@@ -127,7 +131,8 @@ def _outermost(groups: list[list[str]]) -> list[list[str]]:
     return [g for g in groups if not any(inside(g, other) for other in groups)]
 
 
-def param_report(model: nn.Module) -> ParamReport:
+def param_report(model: nn.Module, top_k: int | None = None) -> ParamReport:
+    """``top_k``: experts per token, where a mixture of experts' modules do not say."""
     owner: dict[int, str] = {}  # id(parameter) -> owning name
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -184,6 +189,12 @@ def param_report(model: nn.Module) -> ParamReport:
         buffers.append(BufferRow(name, list(b.shape), b.numel(), str(b.dtype).replace("torch.", ""),
                                  name in persistent))
     total = sum(p.numel() for p in unique.values())
+    experts = find_experts(model, top_k)
+    by_path = {row.path: row for row in rows}
+    for layer in experts:  # the experts' unused share counts against them and every parent
+        parts = layer.path.split(".")
+        for i in range(len(parts) + 1):
+            by_path[".".join(parts[:i])].inactive += layer.inactive
     return ParamReport(
         layers=rows, total_params=total,
         trainable_params=sum(p.numel() for p in unique.values() if p.requires_grad),
@@ -192,5 +203,7 @@ def param_report(model: nn.Module) -> ParamReport:
         reused_modules=_outermost([paths for paths in module_paths.values() if len(paths) > 1]),
         by_component=by_component, by_kind={k: v for k, v in by_kind.items() if v},
         check_total=sum(p.numel() for p in model.parameters()),
+        experts=[layer.to_dict() for layer in experts],
+        active_params=active_params(total, experts) if experts else None,
     )
 

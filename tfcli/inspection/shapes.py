@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from tfcli.errors import TfcliError
+from tfcli.inspection.moe import routing_of
 from tfcli.inspection.ops import Op, OpObserver
 
 
@@ -49,6 +50,7 @@ class ShapeEvent:
     attention_flops: int = 0  # of which the attention core (Q·Kᵀ, weights·V)
     backward_torch: int = 0  # backward as autograd runs it (no gradient for inputs that need none)
     details: list[Detail] = field(default_factory=list)
+    routing: dict | None = None  # an experts call: tokens per expert, recorded or assumed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -189,6 +191,11 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
         if isinstance(module, nn.MultiheadAttention):
             event.flops, event.attention_flops, event.backward_torch, event.details = _mha(
                 module, args, kwargs)
+        routing = routing_of(module, args, kwargs)
+        if routing is not None:
+            event.routing = asdict(routing)
+            event.details.append(Detail("tokens per expert", [len(routing.per_expert)],
+                                        routing.text(), after=event.order))
         events.append(event)
         stack.append(event)
 

@@ -27,6 +27,7 @@ class DisplayRow:
     trainable: bool | None
     shared_with: list[str]
     accounted: int  # parameters this row stands for in the reconciliation
+    active: int = 0  # of params, those one token uses (mixture of experts: k of E experts)
 
 
 def _children(layers: list[LayerRow]) -> dict[str, list[LayerRow]]:
@@ -105,7 +106,8 @@ def display_rows(report: ParamReport, depth: int, expand: bool) -> list[DisplayR
                 name = shown_path.rpartition(".")[0].rpartition(".")[2] + "." + name
             out.append(DisplayRow(shown_path, name, row.depth, row.type + times,
                                   row.params * repeat, shapes, row.trainable, row.shared_with,
-                                  (row.params if folded else row.own_params) * repeat))
+                                  (row.params if folded else row.own_params) * repeat,
+                                  (row.params - row.inactive) * repeat))
         if not folded:
             for child in kids.get(row.path, []):
                 emit(child, f"{shown_path}.{child.path.rpartition('.')[2]}", repeat)
@@ -122,6 +124,47 @@ def _trainable(flag: bool | None) -> str:
     return {True: "yes", False: "frozen", None: "partly"}[flag]
 
 
+def _experts_lines(report: ParamReport) -> list[str]:
+    """Active parameters per token, and the MoE layers alike collapsed into one line each."""
+    if not report.experts:
+        return []
+    if report.active_params is None:
+        lines = ["active per token      unknown: neither the model nor its configuration says "
+                 "how many experts each token is routed to (k)"]
+    else:
+        lines = [f"active per token      {count(report.active_params)}  ("
+                 f"{percent(report.active_params, report.total_params)}: k of E experts per "
+                 f"MoE layer, and everything outside the experts)"]
+    groups: dict[tuple, list[dict]] = {}
+    for layer in report.experts:
+        key = (layer["type"], layer["experts"], layer["top_k"], layer["params_per_expert"])
+        groups.setdefault(key, []).append(layer)
+    for (_, experts, top_k, each), layers in groups.items():
+        routers = {x["router"].rpartition(".")[2] for x in layers if x["router"]}
+        shared = {s.rpartition(".")[2] for x in layers for s in x["shared"]}
+        lines.append(
+            f"experts               {collapsed([x['path'] for x in layers])}: E={experts} × "
+            f"{count(each)} parameters, k={top_k if top_k is not None else '?'} per token"
+            + (f"; router {', '.join(sorted(routers))}" if routers else "")
+            + (f"; always active: {', '.join(sorted(shared))}" if shared else ""))
+    return lines
+
+
+def collapsed(paths: list[str]) -> str:
+    """``model.layers.1-3.mlp.experts`` for paths that differ in one index only."""
+    split = [p.split(".") for p in paths]
+    if len(paths) > 1 and len({len(s) for s in split}) == 1:
+        differ = [i for i in range(len(split[0])) if len({s[i] for s in split}) > 1]
+        if len(differ) == 1 and all(s[differ[0]].isdigit() for s in split):
+            i = differ[0]
+            numbers = sorted(int(s[i]) for s in split)
+            label = (f"{numbers[0]}-{numbers[-1]}"
+                     if numbers == list(range(numbers[0], numbers[-1] + 1))
+                     else ",".join(map(str, numbers)))
+            return ".".join(split[0][:i] + [label] + split[0][i + 1:])
+    return ", ".join(paths)
+
+
 def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine],
            activations_how: str, console: Console, title: str) -> None:
     total = report.total_params
@@ -131,10 +174,12 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
         # columns); shapes wrap and are the first to go.
         table, left_out = fit_table([
             Col("module", 0, [Text("  " * (r.depth - 1) + r.name) for r in rows]),
-            Col("type", 4, [r.type for r in rows]),
-            Col("parameter shapes", 5, [r.shapes for r in rows], short="shapes", wrap=18),
+            Col("type", 5, [r.type for r in rows]),
+            Col("parameter shapes", 6, [r.shapes for r in rows], short="shapes", wrap=18),
             Col("params", 1, [count(r.params) for r in rows], justify="right"),
-            Col("share", 3, [percent(r.params, total) for r in rows], justify="right"),
+            *([Col("active per token", 3, [count(r.active) for r in rows], short="active",
+                   justify="right")] if report.experts else []),
+            Col("share", 4, [percent(r.params, total) for r in rows], justify="right"),
             Col("train", 2, [_trainable(r.trainable) for r in rows]),
         ], console, title=title, title_justify="left")
         parts.append(table)
@@ -152,6 +197,7 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
          " {3}").format(count(accounted), count(total), count(report.check_total),
                         "✓" if ok else "✗ MISMATCH"),
     ]
+    lines[1:1] = _experts_lines(report)
     for names in report.aliases:
         lines.append("tied: " + " ≡ ".join(names))
     for paths in report.reused_modules:

@@ -29,6 +29,7 @@ def _children(events: list[ShapeEvent]) -> dict[int | None, list[ShapeEvent]]:
 
 def _signature(e: ShapeEvent, kids) -> tuple:
     return (e.type, str(e.inputs), str(e.outputs), e.flops,
+            tuple((d.label, str(d.shape), d.note) for d in e.details),  # a recorded routing
             tuple((c.path.rpartition(".")[2], _signature(c, kids)) for c in kids.get(e.order, [])))
 
 

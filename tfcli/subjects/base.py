@@ -29,7 +29,8 @@ LEGEND = {"B": "batch", "S": "source length", "T": "target length", "L": "sequen
           "h": "query heads", "h_kv": "key/value heads", "d_k": "head dimension",
           "d_model": "model width", "d_ff": "FFN hidden width", "V": "vocabulary",
           "d_embed": "embedding width, projected to d_model",
-          "3·d_model": "fused Q, K, V projection width"}
+          "3·d_model": "fused Q, K, V projection width", "E": "experts in an MoE layer",
+          "k": "experts each token is routed to", "B·L": "tokens (batch × length)"}
 LENGTH_LETTERS = ("S", "T", "L")
 
 DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int64,
@@ -345,6 +346,19 @@ class Subject:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "label": self.label}
+
+    # Mixture of experts (tfcli.inspection.moe finds the experts in any model).
+    def experts_per_token(self) -> int | None:
+        """k, where the model's experts do not say it themselves (a configuration does)."""
+        return None
+
+    def assumptions(self) -> list[str]:
+        """What a replay on meta or fake tensors had to assume, for the figures' "how"."""
+        return []
+
+    def count_natively(self) -> None:
+        """Before a real run whose FLOPs torch's FlopCounterMode is to check: run the
+        implementations whose every matrix product it counts with its own formulas."""
 
     # What the mask check may take as known (tfcli.inspection.verdict); a user's model knows
     # nothing up front, so these are empty unless the subject can vouch for them.

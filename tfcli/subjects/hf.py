@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from tfcli.errors import TfcliError, did_you_mean
+from tfcli.inspection.moe import is_stacked_experts
+from tfcli.subjects import hf_moe
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
                                  error_text, make_tensors)
 from tfcli.subjects.hf_source import NEEDS_TRANSFORMERS, config_source, hub_offline
@@ -69,6 +71,8 @@ DERIVED_KEYS = ("head_dim", "d_kv")  # 0 means "width / heads" to some model typ
 QUERY_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
                    "decoder_attention_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_selected_experts", "top_k",
+              "experts_per_token")  # experts each token is routed to, by model type
 
 
 def _check_sizes(values: dict, path_text: str, where: str = "") -> None:
@@ -140,6 +144,11 @@ class HFSubject(Subject):
             raise TfcliError(f"--model hf:{path_text}: Transformers rejects this config: "
                              f"{error_text(error, whole=True)}") from None
         _check_sizes(self.config.to_dict(), path_text)  # with the model type's defaults
+        # Mixture of experts: tfcli's uniform-routing replay where tensors hold no values,
+        # the config's own experts implementation (Transformers' default: grouped_mm) on real
+        # ones; see tfcli/subjects/hf_moe.py.
+        self.use_experts(getattr(self.config, "_experts_implementation", None) or "grouped_mm")
+        self.has_experts = False  # known once built
         self.model_class = self._choose_class(tf, class_name, path_text)
         self.attention = self._choose_attention(attn_implementation, path_text)
         self.label = f"hf:{path_text} ({self.model_class.__name__}, {self.attention} attention)"
@@ -199,8 +208,31 @@ class HFSubject(Subject):
         except Exception as error:
             raise TfcliError(f"--model {self.label}: building it raised "
                              f"{error_text(error, whole=True)}") from None
+        self.has_experts = any(is_stacked_experts(m) for m in model.modules())
         self.attention_by_model = _attention_taken(model)
         return model
+
+    def use_experts(self, real: str) -> None:
+        """Run real tensors through Transformers' experts implementation ``real`` (tensors
+        without values through tfcli's replay, whichever it is); models built before and
+        after both follow it, as Transformers reads the name at every call."""
+        name = hf_moe.install(real)
+        self.experts_real = real
+        if name is not None:
+            self.config._experts_implementation = name
+
+    def count_natively(self) -> None:
+        self.use_experts("eager")  # a loop of F.linear over the experts: FlopCounterMode sees it
+
+    def experts_per_token(self) -> int | None:
+        return next((v for v in (getattr(self.config, key, None) for key in TOP_K_KEYS)
+                     if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+
+    def assumptions(self) -> list[str]:
+        if not self.has_experts:
+            return []
+        return ["mixture of experts: routing assumed uniform, each of E experts gets B·L·k/E "
+                "token slots (the experts' FLOPs and activations do not depend on it)"]
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
@@ -268,6 +300,9 @@ class HFSubject(Subject):
                "config_file": str(self.source.path), "config_from": self.source.origin}
         if len(set(getattr(self, "attention_by_model", {}).values())) > 1:
             out["attention_by_model"] = self.attention_by_model  # a tower took another
+        if self.has_experts:
+            out["experts_implementation"] = {"real_tensors": self.experts_real,
+                                             "meta_and_fake_tensors": hf_moe.REPLAY}
         return out
 
 

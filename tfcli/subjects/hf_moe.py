@@ -1,0 +1,90 @@
+"""Transformers' mixture-of-experts layers, run where routing has no values.
+
+Transformers 5 stores a layer's experts stacked (``gate_up_proj [E, 2·d_ff, d_model]``) and
+picks how they run by name, ``config._experts_implementation``, at every call: ``grouped_mm``
+(its default: one grouped product whose meta kernel takes bfloat16 only, and which torch's
+FlopCounterMode counts as 0), ``batched_mm`` (gathers a weight copy per token: memory no real
+run spends), or ``eager`` (a loop over the experts that the routing picked: it reads values).
+None of them runs on meta and fake tensors as the real ones run.
+
+tfcli registers one implementation per real one, ``tfcli|NAME``: on tensors without values
+it replays the experts under uniform routing (:mod:`tfcli.inspection.moe`) as eager runs them
+— per expert, its share of the token slots through its own slice of the weights with
+``F.linear``, gated, and back — so shapes, FLOPs (every token still meets k experts) and the
+activations saved for backward are those of a real run; on real tensors it runs NAME itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tfcli.inspection.moe import has_values, uniform_counts
+
+PREFIX = "tfcli|"
+REPLAY = "eager loop under uniform routing (tfcli's replay: meta and fake tensors hold no values)"
+
+
+def _expert_linear(x: Tensor, stacked: Tensor, bias: Tensor | None, e: int,
+                   transposed: bool) -> Tensor:
+    weight = stacked[e].transpose(0, 1) if transposed else stacked[e]  # [out, in]
+    return F.linear(x, weight, None if bias is None else bias[e])
+
+
+def uniform_replay(experts: nn.Module, hidden: Tensor, top_k_index: Tensor,
+                   top_k_weights: Tensor) -> Tensor:
+    """The experts' forward with the ``tokens·k`` slots split evenly over the experts, in the
+    order the slots come (token-major). hidden [tokens, d_model] → [tokens, d_model]."""
+    tokens, k = top_k_index.shape
+    slots = hidden.repeat_interleave(k, dim=0)  # [tokens·k, d_model]
+    has_bias, transposed = getattr(experts, "has_bias", False), experts.is_transposed
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    up = getattr(experts, up_name)
+    up_bias = getattr(experts, f"{up_name}_bias") if has_bias else None
+    down_bias = experts.down_proj_bias if has_bias else None
+    outputs, start = [], 0
+    for e, n in enumerate(uniform_counts(tokens * k, experts.num_experts)):
+        x = slots[start:start + n]  # [n, d_model]
+        start += n
+        h = _expert_linear(x, up, up_bias, e, transposed)  # [n, 2·d_ff] or [n, d_ff]
+        h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)  # [n, d_ff]
+        h = _expert_linear(h, experts.down_proj, down_bias, e, transposed)  # [n, d_model]
+        if getattr(experts, "has_post_expert_norm", False):
+            h = experts.post_expert_norm(h)
+        outputs.append(h)
+    weighted = torch.cat(outputs) * top_k_weights.reshape(-1, 1).to(hidden.dtype)
+    return weighted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _with_replay(real: str):
+    def forward(experts: nn.Module, hidden: Tensor, top_k_index: Tensor,
+                top_k_weights: Tensor) -> Tensor:
+        if not has_values(hidden):
+            return uniform_replay(experts, hidden, top_k_index, top_k_weights)
+        if real == "eager":  # the class's own loop, which the decorator wrapped
+            return type(experts).forward.__wrapped__(experts, hidden, top_k_index,
+                                                     top_k_weights)
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        return ALL_EXPERTS_FUNCTIONS[real](experts, hidden, top_k_index, top_k_weights)
+    return forward
+
+
+def install(real: str) -> str | None:
+    """Register ``tfcli|real`` with Transformers' experts interface and return its name; None
+    for a name Transformers does not know (it says so itself when the model is built)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    except ImportError:  # Transformers 4: experts are modules of their own, no such switch
+        return None
+    if real != "eager" and real not in ALL_EXPERTS_FUNCTIONS:
+        return None
+    name = PREFIX + real
+    if name not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(name, _with_replay(real))
+    return name
+
+
+def real_name(name: str | None) -> str | None:
+    return name[len(PREFIX):] if isinstance(name, str) and name.startswith(PREFIX) else name
