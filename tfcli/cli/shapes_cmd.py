@@ -279,11 +279,12 @@ def _print_moe(console, summary: dict, names: dict, described: dict, forward: in
     from tfcli.render.shapes import flops_text
 
     layers, routing = summary["layers"], summary["routing"]
-    top_k = {x["top_k"] for x in layers}
-    console.print(f"mixture of experts: {len(layers)} MoE layer(s), k={'/'.join(map(str, top_k))} "
-                  f"of E={'/'.join(str(n) for n in {x['experts'] for x in layers})} experts "
-                  f"per token; the experts' products: {flops_text(summary['experts_forward_flops'])}"
-                  f" of {flops_text(forward)} forward")
+    top_k = "/".join(str(k) for k in {x["top_k"] for x in layers})
+    experts = "/".join(str(n) for n in {x["experts"] for x in layers})
+    console.print(f"mixture of experts: {len(layers)} MoE layers, k={top_k} of E={experts} "
+                  f"experts per token; the experts' products: "
+                  f"{flops_text(summary['experts_forward_flops'])} of {flops_text(forward)} "
+                  f"forward")
     if summary["tokens"]:
         console.print(f"  per token: {flops_text(round(summary['forward_flops_per_token']))} "
                       f"forward (B·L = {summary['tokens']} tokens), counting only the k experts "
@@ -291,15 +292,18 @@ def _print_moe(console, summary: dict, names: dict, described: dict, forward: in
     uniform = all(r["how"] == UNIFORM for r in routing)
     if routing:
         console.print("  routing: no values to route on, so assumed uniform (each expert gets "
-                      "B·L·k/E token slots); FLOPs and activations do not depend on it, only "
-                      "the tokens per expert do" if uniform else
+                      "B·L·k/E token slots); the FLOPs and saved activations do not depend on "
+                      "it, only the tokens per expert do" if uniform else
                       "  routing: recorded on this run (tokens per expert in each layer: see "
                       "the tree, or --json)")
     ran = described.get("experts_implementation")
-    if ran:
-        console.print("  experts ran as: " + (ran["meta_and_fake_tensors"] if uniform else
-                                               f"{ran['real_tensors']} (Transformers' "
-                                               f"experts_implementation)"))
+    if ran and uniform:
+        console.print(f"  experts ran as: {ran['meta_and_fake_tensors']}")
+    elif ran:
+        console.print(f"  experts ran as: {ran['real_tensors']}" + (
+            f", not {ran['transformers_runs']} (what Transformers runs for this config), so that "
+            f"FlopCounterMode counts each expert's products with its own formulas"
+            if ran["transformers_runs"] != ran["real_tensors"] else ""))
 
 
 def _reconcile(top, counter, backward: bool, causal_flops: bool) -> tuple[list[str], bool]:

@@ -147,7 +147,9 @@ class HFSubject(Subject):
         # Mixture of experts: tfcli's uniform-routing replay where tensors hold no values,
         # the config's own experts implementation (Transformers' default: grouped_mm) on real
         # ones; see tfcli/subjects/hf_moe.py.
-        self.use_experts(getattr(self.config, "_experts_implementation", None) or "grouped_mm")
+        self.experts_default = getattr(self.config, "_experts_implementation", None) \
+            or "grouped_mm"
+        self.use_experts(self.experts_default)
         self.has_experts = False  # known once built
         self.model_class = self._choose_class(tf, class_name, path_text)
         self.attention = self._choose_attention(attn_implementation, path_text)
@@ -232,7 +234,7 @@ class HFSubject(Subject):
         if not self.has_experts:
             return []
         return ["mixture of experts: routing assumed uniform, each of E experts gets B·L·k/E "
-                "token slots (the experts' FLOPs and activations do not depend on it)"]
+                "token slots (the experts' FLOPs and saved activations do not depend on it)"]
 
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
@@ -302,6 +304,7 @@ class HFSubject(Subject):
             out["attention_by_model"] = self.attention_by_model  # a tower took another
         if self.has_experts:
             out["experts_implementation"] = {"real_tensors": self.experts_real,
+                                             "transformers_runs": self.experts_default,
                                              "meta_and_fake_tensors": hf_moe.REPLAY}
         return out
 

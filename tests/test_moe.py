@@ -1,0 +1,253 @@
+"""Mixture-of-experts models from Transformers configurations (issue 22): they run on meta and
+fake tensors, params counts total and active parameters per token, shapes counts only the
+experts each token meets — checked against Transformers' own models, torch's FlopCounterMode
+on Transformers' eager experts, and a formula from the configuration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=128, max_position_embeddings=64)
+# name -> (config class, model class, keywords, experts E, per token k, expert width, MoE layers)
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=96, num_local_experts=8, num_experts_per_tok=2), 8, 2,
+                96, 2),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # a gated shared expert beside them
+                  dict(intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=80), 4, 2, 48, 2),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",  # layer 0 dense, layer 1 MoE
+                    dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
+                         num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), 8, 2, 48, 1),
+}
+
+
+def config_of(name: str):
+    config_class, _, keywords, *_ = MOE[name]
+    return getattr(transformers, config_class)(**COMMON, **keywords)
+
+
+def reference_model(name: str, experts: str = "eager"):
+    config = config_of(name)
+    config._attn_implementation, config._experts_implementation = "sdpa", experts
+    torch.manual_seed(0)
+    return getattr(transformers, MOE[name][1])(config).eval()
+
+
+@pytest.fixture(scope="module")
+def moe_configs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe")
+    paths = {}
+    for name in MOE:
+        paths[name] = folder / f"{name}.json"
+        config_of(name).to_json_file(paths[name])
+    return paths
+
+
+def run_json(cli, *args):
+    result = cli(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_total_and_active_parameters(cli, moe_configs, name):
+    """Total: the Transformers model's own sum of numel. Active per token, from the
+    configuration: a gated expert holds 3 · d_model · d_ff_expert parameters (gate, up, down),
+    and each MoE layer leaves E − k of its E experts unused, so
+    active = total − MoE layers · (E − k) · 3 · d_model · d_ff_expert."""
+    _, model_class, _, experts, top_k, width, layers = MOE[name]
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config_of(name))
+    total = sum(p.numel() for p in model.parameters())
+    data = run_json(cli, "params", "--model", f"hf:{moe_configs[name]}")
+    assert data["total_params"] == total
+    assert data["active_params"] == total - layers * (experts - top_k) * 3 * 64 * width
+    assert [(e["experts"], e["top_k"]) for e in data["experts"]] == [(experts, top_k)] * layers
+    if name != "mixtral":  # shared experts: always active, named beside the routed ones
+        assert all(e["shared"] for e in data["experts"])
+
+
+def test_params_table_shows_active_parameters_and_one_line_per_kind_of_moe_layer(
+        cli, moe_configs):
+    result = cli("params", "--model", f"hf:{moe_configs['mixtral']}", "--depth", "4",
+                 env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "active per token" in out
+    assert "model.layers.0-1.mlp.experts: E=8 × 18,432 parameters, k=2 per token" in out
+    # the experts' row: 2 layers × 8 experts × 18,432; of which 2 of 8 per token
+    experts_row = next(line for line in out.splitlines()
+                       if line.startswith("│") and line.strip("│ ").startswith("experts"))
+    assert "294,912" in experts_row and "73,728" in experts_row
+
+
+def test_params_seq_len_replays_the_experts_and_states_the_routing(cli, moe_configs):
+    data = run_json(cli, "params", "--model", f"hf:{moe_configs['mixtral']}", "--seq-len", "16",
+                    "--batch-size", "2")
+    assert "routing assumed uniform" in data["activations_method"]
+    saved = {m["name"]: m["bytes"] for m in data["memory"]}
+    assert saved["activations: other saved"] > 0
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_shapes_on_meta_count_the_flops_of_transformers_eager_experts(cli, moe_configs, name):
+    """On meta no routing can be read: tfcli assumes it uniform. Each token still meets k
+    experts, so the FLOPs equal FlopCounterMode's count of Transformers' eager experts on a
+    real run, whatever routing that run's random weights chose."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    data = run_json(cli, "shapes", "--model", f"hf:{moe_configs[name]}", "--dim", "L=10",
+                    "--batch-size", "3")
+    model = reference_model(name)
+    ids = torch.randint(0, 128, (3, 10))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, \
+            torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert data["flops"]["forward"] == counter.get_total_flops()
+    experts, top_k, layers = MOE[name][3], MOE[name][4], MOE[name][6]
+    routing = data["moe"]["routing"]
+    assert len(routing) == layers and all(r["how"] == "uniform" for r in routing)
+    for r in routing:  # 30 tokens · k slots, as evenly as integers allow
+        assert sum(r["per_expert"]) == 30 * top_k and len(r["per_expert"]) == experts
+        assert max(r["per_expert"]) - min(r["per_expert"]) <= 1
+    assert data["moe"]["tokens"] == 30
+    assert data["dims"]["E"] == experts and data["dims"]["k"] == top_k
+
+
+def test_shapes_on_cpu_records_the_routing_and_reconciles_on_eager_experts(cli, moe_configs):
+    args = ["shapes", "--model", f"hf:{moe_configs['mixtral']}", "--dim", "L=10",
+            "--batch-size", "3"]
+    meta = run_json(cli, *args)
+    data = run_json(cli, *args, "--device", "cpu")
+    assert data["subject"]["experts_implementation"]["real_tensors"] == "eager"
+    routing = data["moe"]["routing"]
+    assert [r["how"] for r in routing] == ["recorded", "recorded"]
+    assert all(sum(r["per_expert"]) == 30 * 2 for r in routing)
+    flops = data["flops"]
+    assert flops["reconciled_exactly"] and flops["uncounted_by_either"] == []
+    assert flops["flop_counter_corrected"] == flops["forward"] == meta["flops"]["forward"]
+    text = cli(*args, "--device", "cpu").stdout
+    assert "routing recorded on this run" in text and "experts ran as: eager" in text
+
+
+GROUPED = """
+import torch
+from torch import nn
+
+
+class Grouped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 8, 4))  # 2 groups, K=8, N=4
+
+    def forward(self, x):
+        rows = x.reshape(-1, 8)
+        half = rows.size(0) // 2
+        offs = torch.tensor([half, rows.size(0)], dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(rows, self.weight, offs=offs)
+
+
+class IntMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        a = x.reshape(-1, 8).to(torch.int8)
+        return torch._int_mm(a, a.t().contiguous()).float() * self.scale
+"""
+
+
+def test_grouped_matmul_is_counted_and_an_op_neither_side_counts_is_named(cli, tmp_path):
+    """'equal to torch's count' only when both sides counted the same work: torch has no
+    formula for aten._grouped_mm (tfcli adds one, and says so) nor for aten._int_mm (neither
+    side counts it, and the output says that instead of 'equal')."""
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED)
+    sizes = ["--input", "x=float32[B,L,8]", "--batch-size", "4", "--dim", "L=8",
+             "--device", "cpu"]
+    flops = run_json(cli, "shapes", "--model", f"{path}:Grouped", *sizes)["flops"]
+    assert flops["forward"] == 2 * 32 * 8 * 4  # 32 rows, each a K=8 dot product per output
+    assert flops["flop_counter"] == 0 and flops["flop_counter_corrected"] == flops["forward"]
+    assert flops["formulas_registered"] == ["aten._grouped_mm"] and flops["reconciled_exactly"]
+    flops = run_json(cli, "shapes", "--model", f"{path}:IntMatmul", *sizes)["flops"]
+    assert flops["uncounted_by_either"] == ["aten._int_mm"]
+    assert not flops["reconciled_exactly"]
+    text = cli("shapes", "--model", f"{path}:IntMatmul", *sizes).stdout
+    assert "neither counts aten._int_mm" in text and "equal to torch's count (0)" in text
+
+
+def _saved_inside_experts(model, ids) -> int:
+    """Bytes of the distinct storages autograd saves inside the experts' calls."""
+    saved, inside = {}, [False]
+
+    def pack(t):
+        if inside[0] and not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            saved[id(storage)] = (storage, storage.nbytes())  # kept: ids stay unique
+        return t
+
+    hooks = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            hooks.append(module.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)))
+            hooks.append(module.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()(input_ids=ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return sum(nbytes for _, nbytes in saved.values())
+
+
+def test_the_replay_saves_for_backward_what_grouped_mm_saves():
+    """The experts' activations for the memory estimate: the replay on fake tensors saves what
+    Transformers' default implementation saves on a real run, but for grouped_mm's index
+    tensors (a few int64 per token slot, under 2% at these tiny widths)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.subjects import hf_moe
+
+    ids = torch.randint(0, 128, (8, 16))
+    real = _saved_inside_experts(reference_model("mixtral", "grouped_mm"), ids)
+    config = config_of("mixtral")
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = hf_moe.install("grouped_mm")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        replayed = _saved_inside_experts(transformers.MixtralForCausalLM(config), ids)
+    assert 0.98 * real <= replayed <= real
+
+
+def test_the_replay_follows_gpt_oss_experts_layout():
+    """GPT-OSS stores its experts transposed, with biases and its own gate: the replay's FLOPs
+    on fake tensors equal FlopCounterMode's count of its eager experts on a real run.
+    (Transformers gives GPT-OSS no SDPA path: eager attention here.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tfcli.subjects import hf_moe
+
+    config = transformers.GptOssConfig(**{**COMMON, "num_key_value_heads": 2}, head_dim=16,
+                                       intermediate_size=96, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    config._attn_implementation = "eager"
+    ids = torch.randint(0, 128, (2, 9))
+    counts = []
+    for experts in ("eager", hf_moe.install("eager")):
+        config._experts_implementation = experts
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if experts != "eager" else None
+        with fake or torch.device("cpu"):
+            model = transformers.GptOssForCausalLM(config)
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
