@@ -251,3 +251,52 @@ def test_the_replay_follows_gpt_oss_experts_layout():
                 model(input_ids=ids, use_cache=False)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] > 0
+
+
+STACKED = """
+import torch
+from torch import nn
+
+
+class Router(nn.Module):
+    def __init__(self, top_k):
+        super().__init__()
+        self.num_experts = 4
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+        if top_k is not None:
+            self.top_k = top_k
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 4
+        self.up = nn.Parameter(torch.zeros(4, 16, 8))
+        self.down = nn.Parameter(torch.zeros(4, 8, 16))
+
+
+class Block(nn.Module):
+    def __init__(self, top_k=1):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.gate, self.experts = Router(top_k), Experts()
+
+    def forward(self, ids):
+        return self.embed(ids)
+"""
+
+
+def test_any_model_with_stacked_experts_gets_active_parameters_or_says_k_is_unknown(
+        cli, tmp_path):
+    """Experts are found by what they are made of (num_experts and [E, ...] parameters), k by
+    the router beside them; without a k anywhere, the active count is not made up."""
+    path = tmp_path / "stacked.py"
+    path.write_text(STACKED)
+    data = run_json(cli, "params", "--model", f"{path}:Block")
+    total = 10 * 8 + 4 * 8 + 2 * 4 * 16 * 8
+    assert data["total_params"] == total
+    assert data["active_params"] == total - (4 - 1) * 2 * 16 * 8
+    assert data["experts"][0]["router"] == "gate"
+    unknown = cli("params", "--model", f"{path}:Block", "--model-arg", "top_k=None")
+    assert unknown.exit_code == 0, unknown.stderr
+    assert "active per token      unknown" in unknown.stdout

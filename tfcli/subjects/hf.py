@@ -71,8 +71,7 @@ DERIVED_KEYS = ("head_dim", "d_kv")  # 0 means "width / heads" to some model typ
 QUERY_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
                    "decoder_attention_heads")
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_selected_experts", "top_k",
-              "experts_per_token")  # experts each token is routed to, by model type
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "moe_k")  # experts per token, by model type
 
 
 def _check_sizes(values: dict, path_text: str, where: str = "") -> None:
