@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+# Below inspection in the layers: the subjects use them to build and run an MoE model.
+from tfcli.subjects.hf_moe import has_values, is_stacked_experts, uniform_counts  # noqa: F401
+
 UNIFORM = "uniform"  # the routing assumed where values cannot be read
 RECORDED = "recorded"  # the routing this run's router chose
 
@@ -47,14 +50,6 @@ class Experts:
     def to_dict(self) -> dict:
         return {**asdict(self), "params_per_expert": self.per_expert,
                 "inactive_per_token": self.inactive}
-
-
-def is_stacked_experts(module: nn.Module) -> bool:
-    n = getattr(module, "num_experts", None)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return False
-    own = list(module.parameters(recurse=False))  # a router's [E, d_model] is not stacked
-    return any(p.dim() >= 3 for p in own) and all(p.shape[0] == n for p in own)
 
 
 SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -93,18 +88,6 @@ def active_params(total: int, experts: list[Experts]) -> int | None:
     if any(e.top_k is None for e in experts):
         return None
     return total - sum(e.inactive for e in experts)
-
-
-def uniform_counts(slots: int, experts: int) -> list[int]:
-    """``slots`` (token, expert) pairs over ``experts`` experts, as evenly as integers allow."""
-    return [slots // experts + (e < slots % experts) for e in range(experts)]
-
-
-def has_values(t: Tensor) -> bool:
-    """Whether ``t`` holds numbers that can be read (not meta, not a fake tensor)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type != "meta" and not is_fake(t)
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from tfcli.errors import TfcliError, did_you_mean
-from tfcli.inspection.moe import is_stacked_experts
 from tfcli.subjects import hf_moe
+from tfcli.subjects.hf_moe import is_stacked_experts
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
                                  error_text, make_tensors)
 from tfcli.subjects.hf_source import NEEDS_TRANSFORMERS, config_source, hub_offline

@@ -20,7 +20,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tfcli.inspection.moe import has_values, uniform_counts
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """A layer of experts as Transformers 5 stores them (and tfcli finds them in any model):
+    an integer ``num_experts`` and every parameter of its own stacked, one slice per expert
+    on the first axis."""
+    n = getattr(module, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return False
+    own = list(module.parameters(recurse=False))  # a router's [E, d_model] is not stacked
+    return any(p.dim() >= 3 for p in own) and all(p.shape[0] == n for p in own)
+
+
+def uniform_counts(slots: int, experts: int) -> list[int]:
+    """``slots`` (token, expert) pairs over ``experts`` experts, as evenly as integers allow."""
+    return [slots // experts + (e < slots % experts) for e in range(experts)]
+
+
+def has_values(t: Tensor) -> bool:
+    """Whether ``t`` holds numbers that can be read (not meta, not a fake tensor)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
 
 PREFIX = "tfcli|"
 REPLAY = "eager loop under uniform routing (tfcli's replay: meta and fake tensors hold no values)"
