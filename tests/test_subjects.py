@@ -180,8 +180,8 @@ def test_hf_masks_check_on_gpt2(cli, hf_configs):
 
 @pytest.fixture(scope="module")
 def eager_only(tmp_path_factory):
-    """Two classes Transformers has no SDPA path for: Gemma 2 (its scores are soft-capped
-    with tanh before the softmax) and Bloom (ALiBi added through ``baddbmm``)."""
+    """Classes Transformers has no SDPA path for: Gemma 2 (its scores are soft-capped with
+    tanh before the softmax), Bloom (ALiBi added through ``baddbmm``), GPT-OSS (sinks)."""
     folder = tmp_path_factory.mktemp("eager")
     configs = {
         "gemma2": (transformers.Gemma2Config(
@@ -190,6 +190,11 @@ def eager_only(tmp_path_factory):
             max_position_embeddings=64), "Gemma2ForCausalLM"),
         "bloom": (transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
                   "BloomForCausalLM"),
+        # attention sinks: a learned logit per head joins the scores' keys, then is cut off
+        "gpt_oss": (transformers.GptOssConfig(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            vocab_size=96, sliding_window=4, max_position_embeddings=64), "GptOssForCausalLM"),
     }
     paths = {}
     for name, (config, _) in configs.items():
@@ -219,9 +224,10 @@ def test_hf_without_sdpa_runs_its_eager_attention(cli, eager_only, name):
     assert params["total_params"] == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+@pytest.mark.parametrize("name", ["gemma2", "bloom", "gpt_oss"])
 def test_hf_masks_check_sees_eager_attention(cli, eager_only, name):
-    """The check must find the weights behind a tanh cap and a baddbmm, or it cannot pass."""
+    """The check must find the weights behind a tanh cap, a baddbmm and a sink's column, or
+    it cannot pass."""
     _, paths = eager_only
     result = cli("masks", "--model", f"hf:{paths[name]}", "--causal", "input_ids", "--check")
     assert result.exit_code == 0, result.stdout + result.stderr

@@ -228,6 +228,12 @@ class OpObserver(TorchFunctionMode):
                                     shape=out.shape)
                     op.weights, op.blocked = _keys_last(out.detach(), blocked, op.extra["dim"])
                 self._emit(op)
+        elif func is torch.cat and args and isinstance(args[0], (list, tuple)) \
+                and args[0] and args[0][0] in self._scores:
+            self._sinks(args[0], _cat_dim(args, kwargs), out)
+        elif func is Tensor.__getitem__ and args[0] in self._weights:
+            self._weights[out] = self._weights.get(args[0])  # a sink's column dropped
+            self._sliced(args[0], args[1], out)
         elif (func in _FILLS or func in _WEIGHT_STEPS) and args[0] in self._weights:
             self._weights[out] = self._weights.get(args[0])  # still the weights, masked or scaled
         elif func in (Tensor.__mul__, Tensor.mul, torch.mul) and len(args) > 1 \
@@ -236,9 +242,38 @@ class OpObserver(TorchFunctionMode):
         elif func in (Tensor.__truediv__, Tensor.__mul__, Tensor.div, Tensor.mul, torch.div,
                       torch.mul, Tensor.to, Tensor.float, Tensor.type, Tensor.contiguous,
                       Tensor.view, Tensor.reshape, Tensor.flatten, torch.flatten,
-                      Tensor.unflatten, torch.tanh, Tensor.tanh) \
+                      Tensor.unflatten, torch.tanh, Tensor.tanh, Tensor.__sub__, Tensor.sub,
+                      torch.sub) \
                 and args[0] in self._scores:
-            self._carry(args[0], out, None, "")  # scaling, capping (Gemma 2's tanh) or reshaping
+            # scaling, capping (Gemma 2's tanh), shifting by the row maximum, reshaping
+            self._carry(args[0], out, None, "")
+
+    def _sinks(self, parts, dim: int, out) -> None:
+        """Scores with extra key columns appended (GPT-OSS's attention sinks: a learned logit
+        per head that takes weight but no value): still the scores, and no key of theirs is
+        blocked by the model's mask."""
+        if not isinstance(out, Tensor) or dim % out.dim() != out.dim() - 1:
+            return
+        op, blocked = self._scores.get(parts[0])
+        if blocked is not None:
+            scores = parts[0]
+            blocked = blocked.expand(scores.shape)
+            extra = out.size(-1) - scores.size(-1)
+            blocked = torch.cat([blocked, blocked.new_zeros(*scores.shape[:-1], extra)], dim=-1)
+        self._scores[out] = (op, blocked)
+
+    def _sliced(self, weights: Tensor, index, out) -> None:
+        """The weights cut back to the real keys after the softmax (the sinks' columns
+        dropped): the check reads those."""
+        op = self._weights.get(weights)
+        if not (self.keep_values and isinstance(op, Op) and op.weights is not None
+                and isinstance(out, Tensor) and op.extra.get("dim") in (-1, weights.dim() - 1)
+                and out.shape[:-1] == weights.shape[:-1] and out.size(-1) < weights.size(-1)):
+            return
+        blocked = op.blocked
+        op.weights = out.detach()
+        op.blocked = None if blocked is None else blocked.expand(weights.shape)[index]
+        op.extra.update(shape=out.shape, blocked=op.blocked)
 
     def _applied(self, weights: Tensor) -> None:
         """The weights a product with V consumes are the ones the model applied: where it
@@ -302,6 +337,10 @@ class OpObserver(TorchFunctionMode):
                 extra={"batch_first_query": list(query.shape)})
         op.weights, op.blocked = weights.detach(), blocked
         self._emit(op)
+
+
+def _cat_dim(args, kwargs) -> int:
+    return int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
 
 
 def _addmm_operands(args, kwargs) -> tuple:
