@@ -498,16 +498,60 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
 @contextlib.contextmanager
 def building(device, dtype: torch.dtype | None):
     """Where a model someone else wrote is constructed: on ``device``, with ``dtype`` as the
-    default dtype, and their library's advice to the model's author (warnings) kept quiet."""
+    default dtype, and their library's advice to the model's author (warnings) kept quiet.
+    Under fake tensors its initialisers leave the weights alone (fake_initialisers)."""
     previous = torch.get_default_dtype()
     try:
         if dtype is not None:
             torch.set_default_dtype(dtype)
-        with torch.device(device), warnings.catch_warnings(), model_code("while it was built"):
+        with torch.device(device), warnings.catch_warnings(), model_code("while it was built"), \
+                fake_initialisers():
             warnings.simplefilter("ignore")
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def fake_mode_active() -> bool:
+    """Whether tensors made now are fake (torch's FakeTensorMode is on the dispatch stack)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+# torch.nn.init's in-place initialisers, as modules call them (``nn.init.trunc_normal_(w)``).
+INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def fake_initialisers():
+    """Under fake tensors, torch.nn.init's initialisers return a fake tensor unchanged, as they
+    return a meta tensor: there is no value to set, and some read values (trunc_normal_ draws
+    again until every value lies within its bounds), which a fake tensor cannot give. Outside
+    fake mode nothing changes."""
+    if not fake_mode_active():
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in INITIALISERS if hasattr(init, name)}
+
+    def skipping(original):
+        def initialiser(tensor, *args, **kwargs):
+            return tensor if is_fake(tensor) else original(tensor, *args, **kwargs)
+        return initialiser
+
+    try:
+        for name, original in originals.items():
+            setattr(init, name, skipping(original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(init, name, original)
 
 
 def embedding_limit(model: nn.Module) -> int:

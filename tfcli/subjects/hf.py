@@ -9,6 +9,7 @@ no weights are downloaded and no remote code (``auto_map``) is ever run.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import warnings
@@ -20,7 +21,7 @@ from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects import hf_moe
 from tfcli.subjects.hf_moe import is_stacked_experts
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
-                                 error_text, make_tensors)
+                                 error_text, fake_mode_active, make_tensors)
 from tfcli.subjects.hf_source import NEEDS_TRANSFORMERS, config_source, hub_offline
 
 
@@ -104,6 +105,23 @@ def _check_sizes(values: dict, path_text: str, where: str = "") -> None:
         if isinstance(value, dict) and key not in ("id2label", "label2id") \
                 and where.count(".") < 4:
             _check_sizes(value, path_text, f"{where}{key}.")
+
+
+@contextlib.contextmanager
+def _no_init_on_fake():
+    """Transformers initialises no weights on meta, where there are no values; under fake
+    tensors there are none either, and its initialisers may read values (ViT's trunc_normal_
+    draws until every value is within bounds), which a fake tensor cannot give: they are
+    skipped with Transformers' own no_init_weights. Real builds are initialised as usual."""
+    if not fake_mode_active():
+        yield
+        return
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # Transformers 4
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        yield
 
 
 class HFSubject(Subject):
@@ -204,8 +222,10 @@ class HFSubject(Subject):
             check_module_count(self.model_class, self.config, LAYER_KEYS, self.label)
             self._size_checked = True
         try:
-            with building(device, dtype):
+            with building(device, dtype), _no_init_on_fake():
                 model = self.model_class(self.config)
+            if fake_mode_active():
+                model.tie_weights()  # what post_init does after initialising
         except Exception as error:
             raise TfcliError(f"--model {self.label}: building it raised "
                              f"{error_text(error, whole=True)}") from None
