@@ -148,6 +148,5 @@ def prepare_model(model: torch.nn.Module, subject, which: str, sizes: dict[str, 
         return primary_output(inputs.call(model))
 
     run, total = _passes(forward, which, flops[0])
-    lengths = [sizes[d] for d in subject.length_dims()] or [1]
-    tokens = sizes["B"] * lengths[-1]  # the target side's (or the only) length
+    tokens = subject.tokens(sizes)  # the target side's (or the only) length, or patches
     return Prepared(run, output, total, flops[1] / flops[0] if flops[0] else 0.0, tokens)

@@ -121,6 +121,9 @@ def sizes(subject, batch: int, src_len: int, tgt_len: int, dims: list[str] | Non
                              f"(its inputs use {', '.join(used)})")
         seen[name] = text
         out[name] = value
+    for name, (size, why) in subject.fixed_dims().items():
+        if name in seen and out[name] != size:
+            raise TfcliError(f"--dim {seen[name]}: {why}; {name} can only be {size}")
     return out
 
 

@@ -370,7 +370,8 @@ def _replay_args(subject, sizes: dict[str, int], dtype: str):
 
 
 def _sizes_text(subject, sizes: dict[str, int]) -> str:
-    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.length_dims())
+    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.dims_used()
+                        if d != "B" and d in sizes)
     return f"B={sizes['B']}" + (f", {lengths}" if lengths else "")
 
 

@@ -30,7 +30,13 @@ LEGEND = {"B": "batch", "S": "source length", "T": "target length", "L": "sequen
           "d_model": "model width", "d_ff": "FFN hidden width", "V": "vocabulary",
           "d_embed": "embedding width, projected to d_model",
           "3·d_model": "fused Q, K, V projection width", "E": "experts in an MoE layer",
-          "k": "experts each token is routed to", "B·L": "tokens (batch × length)"}
+          "k": "experts each token is routed to", "B·L": "tokens (batch × length)",
+          "C": "image channels", "H": "image height", "W": "image width",
+          "P": "image patches (H/p · W/p, p the patch size)", "F": "mel bins",
+          "N": "audio frames"}
+# The letters of images and speech, whose meaning the shapes legend spells out (the text
+# letters above are the paper's, explained once in the README).
+MODALITY_LETTERS = ("C", "H", "W", "P", "F", "N")
 LENGTH_LETTERS = ("S", "T", "L")
 
 DTYPES = {"int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int64,
@@ -329,6 +335,19 @@ class Subject:
     def dims_used(self) -> list[str]:
         """The letters of B, S, T, L the inputs use, for the legend."""
         return ["B", *self.length_dims()]
+
+    def fixed_dims(self) -> dict[str, tuple[int, str]]:
+        """Letters the model allows one size for: letter -> (size, why), for --dim."""
+        return {}
+
+    def derived_dims(self, sizes: dict[str, int]) -> dict[str, int]:
+        """Sizes that follow from the inputs' (an image's patches P), for the legend."""
+        return {}
+
+    def tokens(self, sizes: dict[str, int]) -> int:
+        """Positions one batch holds, for throughput: B × the (last) length."""
+        lengths = [sizes[d] for d in self.length_dims()] or [1]
+        return sizes["B"] * lengths[-1]
 
     def loss(self, output) -> Tensor:
         return default_loss(output)

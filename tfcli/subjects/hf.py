@@ -124,6 +124,13 @@ def _no_init_on_fake():
         yield
 
 
+def _pair(value) -> tuple[int, int]:
+    """(height, width) from a configuration's size: one int, or a pair."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]), int(value[-1])
+    return int(value), int(value)
+
+
 class HFSubject(Subject):
     kind = "hf"
     runs_on_meta = False
@@ -255,41 +262,154 @@ class HFSubject(Subject):
         return ["mixture of experts: routing assumed uniform, each of E experts gets B·L·k/E "
                 "token slots (the experts' FLOPs and saved activations do not depend on it)"]
 
+    # --- inputs, by what the model takes -------------------------------------------------------
+    # A Transformers model class names its main input (``main_input_name``): token ids, an
+    # image (``pixel_values [B, C, H, W]``) or speech features (``input_features``). tfcli makes
+    # that input at the sizes the configuration gives, and a decoder's ids for an
+    # encoder-decoder; two-tower models (CLIP) get an image beside their text.
+
+    def _main_input(self) -> str:
+        return getattr(self.model_class, "main_input_name", None) or "input_ids"
+
+    def _vision(self):
+        """The configuration that sizes the image input: the model's own, or its
+        vision_config (CLIP, SigLIP)."""
+        for c in (self.config, getattr(self.config, "vision_config", None)):
+            if c is not None and getattr(c, "image_size", None) is not None:
+                return c
+        return None
+
+    def _image_size(self) -> tuple[int, int]:
+        return _pair(self._vision().image_size)
+
+    def _patch(self) -> tuple[int, int] | None:
+        patch = getattr(self._vision(), "patch_size", None)
+        return _pair(patch) if patch else None
+
+    def _speech_frames(self) -> int | None:
+        """The one length of Whisper-style input features: its encoder's two convolutions
+        (the second of stride 2) must give exactly max_source_positions positions."""
+        positions = getattr(self.config, "max_source_positions", None)
+        return 2 * positions if isinstance(positions, int) and positions > 0 else None
+
+    def _specs(self) -> list[InputSpec]:
+        main = self._main_input()
+        text = getattr(self.config, "vocab_size", None) is not None
+        if main == "pixel_values" and self._vision() is not None:
+            specs = [InputSpec("pixel_values", "float32", ("B", "C", "H", "W"))]
+        elif main == "input_features" and getattr(self.config, "num_mel_bins", None) \
+                and self._speech_frames():
+            specs = [InputSpec("input_features", "float32", ("B", "F", "N"))]
+        elif main == "input_ids":
+            if self.encoder_decoder:
+                return [InputSpec("input_ids", "int64", ("B", "S")),
+                        InputSpec("attention_mask", "int64", ("B", "S"), 2),
+                        InputSpec("decoder_input_ids", "int64", ("B", "T"))]
+            specs = [InputSpec("input_ids", "int64", ("B", "L")),
+                     InputSpec("attention_mask", "int64", ("B", "L"), 2)]
+            if self._vision() is not None and self._vision() is not self.config \
+                    and "pixel_values" in self._forward_params() and not any(
+                    hasattr(self.config, k) for k in ("image_token_id", "image_token_index")):
+                specs.append(InputSpec("pixel_values", "float32", ("B", "C", "H", "W")))
+            return specs
+        else:
+            raise TfcliError(
+                f"--model {self.label}: it takes {main}, and tfcli makes only input_ids (text), "
+                f"pixel_values (images, from a config with image_size) and input_features "
+                f"(Whisper's layout, from a config with num_mel_bins and "
+                f"max_source_positions); describe it with --input {main}=DTYPE[DIMS]")
+        if self.encoder_decoder and text:
+            specs.append(InputSpec("decoder_input_ids", "int64", ("B", "T")))
+        return specs
+
+    def _forward_params(self) -> set[str]:
+        try:
+            return set(inspect.signature(self.model_class.forward).parameters)
+        except (TypeError, ValueError):
+            return set()
+
+    @property
+    def default_sizes(self) -> dict[str, int]:
+        """B, S, T, L as for any model; C, H, W, F and N as the configuration gives them."""
+        sizes = dict(Subject.default_sizes)
+        if self._vision() is not None:
+            sizes["C"] = int(getattr(self._vision(), "num_channels", 3) or 3)
+            sizes["H"], sizes["W"] = self._image_size()
+        if getattr(self.config, "num_mel_bins", None) and self._speech_frames():
+            sizes["F"], sizes["N"] = int(self.config.num_mel_bins), self._speech_frames()
+        return sizes
+
+    def fixed_dims(self) -> dict[str, tuple[int, str]]:
+        if self.input_specs:
+            return {}
+        letters = set(self.dims_used())
+        sizes = self.default_sizes
+        fixed = {"C": f"the model's first layer takes num_channels={sizes.get('C')} channels",
+                 "F": f"the model takes num_mel_bins={sizes.get('F')} mel bins",
+                 "N": f"Whisper's encoder takes exactly 2 × max_source_positions = "
+                      f"{sizes.get('N')} frames (its two convolutions, the second of stride 2, "
+                      f"make them its {sizes.get('N', 0) // 2} positions)"}
+        return {k: (sizes[k], why) for k, why in fixed.items() if k in letters}
+
+    def derived_dims(self, sizes: dict[str, int]) -> dict[str, int]:
+        """P, the patches of an image (H/p × W/p for a patch size p); S, the positions
+        Whisper's encoder makes of its N frames."""
+        letters = set(self.dims_used())
+        out = {}
+        if {"H", "W"} <= letters and self._patch() and "H" in sizes and "W" in sizes:
+            (p_h, p_w) = self._patch()
+            out["P"] = (sizes["H"] // p_h) * (sizes["W"] // p_w)
+        if "N" in letters and "N" in sizes:
+            out["S"] = sizes["N"] // 2
+        return out
+
+    def tokens(self, sizes: dict[str, int]) -> int:
+        derived = self.derived_dims(sizes)
+        if "P" in derived:
+            return sizes["B"] * derived["P"]  # an image is its patches
+        return super().tokens(sizes)
+
     def make_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
         if self.input_specs:
             check_inputs_fit(model, [s.name for s in self.input_specs])
             return Inputs((), make_tensors(self.input_specs, sizes, device, self.vocab, seed))
-        if self.encoder_decoder:
-            specs = [InputSpec("input_ids", "int64", ("B", "S")),
-                     InputSpec("attention_mask", "int64", ("B", "S"), 2),
-                     InputSpec("decoder_input_ids", "int64", ("B", "T"))]
-        else:
-            specs = [InputSpec("input_ids", "int64", ("B", "L")),
-                     InputSpec("attention_mask", "int64", ("B", "L"), 2)]
+        specs = self._specs()
         tensors = make_tensors(specs, sizes, device, self.vocab, seed)
-        tensors["attention_mask"] = torch.ones_like(tensors["attention_mask"])  # no padding
+        if "attention_mask" in tensors:
+            tensors["attention_mask"] = torch.ones_like(tensors["attention_mask"])  # no padding
         accepts = set(inspect.signature(model.forward).parameters)
-        kwargs = {k: v for k, v in tensors.items() if k in accepts or k == "input_ids"}
+        kwargs = {k: v for k, v in tensors.items() if k in accepts or k == specs[0].name}
         if "use_cache" in accepts:
             kwargs["use_cache"] = False  # a cache is inference state, not part of one pass
+        if "pixel_values" in kwargs and "interpolate_pos_encoding" in accepts \
+                and (sizes["H"], sizes["W"]) != self._image_size():
+            kwargs["interpolate_pos_encoding"] = True  # positions for another image size
         return Inputs((), kwargs)
 
     def input_dims(self, name: str) -> tuple | None:
         if self.input_specs:
             return super().input_dims(name)
-        length = "S" if self.encoder_decoder else "L"
-        return {"input_ids": ("B", length), "attention_mask": ("B", length),
-                "decoder_input_ids": ("B", "T"), "decoder_attention_mask": ("B", "T")}.get(name)
+        dims = {s.name: s.dims for s in self._specs()}
+        if "decoder_input_ids" in dims:
+            dims["decoder_attention_mask"] = ("B", "T")
+        return dims.get(name)
 
     @property
     def vocab(self) -> int:
         return int(getattr(self.config, "vocab_size", 0) or 2)
 
     def length_dims(self) -> list[str]:
+        """The letters a sweep grows: the text's lengths, an image's sides (H and W together);
+        not Whisper's frames, which its encoder fixes."""
         if self.input_specs:
             letters = [d for s in self.input_specs for d in s.dims if d in ("S", "T", "L")]
             return list(dict.fromkeys(letters))
-        return ["S", "T"] if self.encoder_decoder else ["L"]
+        used = self.dims_used()
+        return [d for d in ("S", "T", "L", "H", "W") if d in used]
+
+    def dims_used(self) -> list[str]:
+        specs = self.input_specs or self._specs()
+        return list(dict.fromkeys(d for s in specs for d in s.dims if isinstance(d, str)))
 
     def model_dims(self, model=None) -> dict[str, int]:
         c = self.config
