@@ -295,8 +295,9 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
                     "interrupted": sweep.interrupted,
                     "notes": sweep.notes, "records": [r.to_dict() for r in records],
                     "fits": [vars(f) for f in fitted],
-                    "flop_convention": "2 × multiply-accumulates of matrix products; backward "
-                                       "= 2 × forward; causal attention counts half"})
+                    "flop_convention": "2 × multiply-accumulates of matrix products and "
+                                       "convolutions; backward = 2 × forward; causal "
+                                       "attention counts half"})
     else:
         console = stdout()
         if subject is not None:

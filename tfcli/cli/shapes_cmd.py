@@ -132,7 +132,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                                          symbolic, trace)
     from tfcli.model import masks
     from tfcli.render.shapes import build_tree, flops_text
-    from tfcli.subjects.base import error_text, primary_output
+    from tfcli.subjects.base import LEGEND, MODALITY_LETTERS, error_text, primary_output
 
     from tfcli.render.progress import working
 
@@ -156,6 +156,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
             run_device)
 
     used = {k: dims[k] for k in subject.dims_used() if k in dims}
+    used.update(subject.derived_dims(dims))
     try:
         with working(f"running the forward pass on {device_name}"), \
                 flop_counting() as counter:  # one forward pass: the trace, counted by torch too
@@ -194,13 +195,17 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
     ours = forward * (3 if backward else 1)
     as_torch = forward + events[0].backward_torch if backward else None
     reasons, reconciled = _reconcile(events[0], counter, backward, causal_flops)
-    unseen = [op for op in counter.missing if op not in counter.registered]
+    # ops whose work neither side counts: FlopCounterMode has no formula, tfcli none either
+    unseen = list(dict.fromkeys(
+        [op for op in counter.missing if op not in counter.registered]
+        + [op for op in events[0].uncounted if op in counter.missing]))
     unclear = [f"{v} is {' or '.join(n)}" for v, n in ambiguous(names).items()]
     reused = reused_calls(events, model)
 
     if json_out:
         print_json({
-            "dims": names, "ambiguous": unclear, "device": device_name, "fallback": fallback,
+            "dims": names, "legend": {k: LEGEND[k] for k in names if k in LEGEND},
+            "ambiguous": unclear, "device": device_name, "fallback": fallback,
             "reused": [r.to_dict() for r in reused],
             "subject": subject.describe(),
             "events": [{**e.to_dict(),
@@ -215,6 +220,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                       "convention": CONVENTION, "causal_half": causal_flops,
                       "flop_counter": counter.flop_counter, "flop_counter_corrected":
                           counter.corrected, "uncounted_ops": counter.missing,
+                      "by_op": events[0].flops_by_op,
                       "formulas_registered": counter.registered, "differences": reasons,
                       "forward_windowed": windowed},
             "moe": moe_flops,
@@ -225,6 +231,9 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"note: {fallback}", style="yellow")
     legend = "  ".join(f"{k}={v}" for k, v in names.items())
     console.print(f"dimensions: {legend}")
+    spelled = [f"{k} {LEGEND[k]}" for k in names if k in MODALITY_LETTERS]
+    if spelled:
+        console.print(f"  where {', '.join(spelled)}")
     for line in unclear:
         console.print(f"ambiguous: size {line}; choose other example sizes "
                       f"(--batch-size, --src-len, --tgt-len, --dim)", style="yellow")
@@ -242,10 +251,20 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                       f"{', …' if len(repeated) > 8 else ''}")
     what = "forward+backward" if backward else "forward"
     console.print(f"FLOPs ({what}): tfcli {flops_text(ours)}   [{CONVENTION}]")
+    by_op = events[0].flops_by_op
+    if set(by_op) - {"linear", "matmul", "attention"}:  # convolutions, torch's formulas
+        console.print("  forward by op: " + ", ".join(
+            f"{label} {flops_text(n)}" + (" (torch's formula)" if label.startswith("aten.")
+                                          else "")
+            for label, n in sorted(by_op.items(), key=lambda item: -item[1])))
     console.print(f"  torch FlopCounterMode as shipped: {flops_text(counter.flop_counter)} "
                   f"({100 * counter.flop_counter / ours:.1f}% of tfcli's)" if ours else "")
     for op in counter.missing:
-        console.print(f"  it has no formula for {op} and counts it as 0")
+        if op in unseen:
+            console.print(f"  neither tfcli nor torch has a formula for {op}: both count it "
+                          f"as 0, so both totals leave its work out", style="yellow")
+        else:
+            console.print(f"  it has no formula for {op} and counts it as 0")
     if counter.registered:
         console.print(f"  with tfcli's formulas for {', '.join(counter.registered)}: "
                       f"{flops_text(counter.corrected)}")
@@ -253,14 +272,16 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"  difference: {reason}")
     if as_torch is not None:
         console.print(f"  as torch runs it: {flops_text(as_torch)} ({as_torch:,})")
-    if reconciled and unseen:  # equal, but both sides are blind to the same work
-        console.print(f"  equal to torch's count ({counter.corrected:,}) only on the products "
-                      f"both can see: neither counts {', '.join(unseen)}, so both figures "
-                      f"leave its work out", style="yellow")
-    elif reconciled:
-        console.print(f"  reconciled: the differences above account for torch's count exactly "
-                      f"({counter.corrected:,})" if reasons else
-                      f"  equal to torch's count ({counter.corrected:,})")
+    if reconciled:
+        said = (f"reconciled: the differences above account for torch's count exactly "
+                f"({counter.corrected:,})" if reasons else
+                f"equal to torch's count ({counter.corrected:,})")
+        if unseen:  # equal, but both sides are blind to the same work
+            console.print(f"  {said} only on the products both can see: neither counts "
+                          f"{', '.join(unseen)}, so both figures leave its work out",
+                          style="yellow")
+        else:
+            console.print(f"  {said}")
     elif not causal_flops:
         console.print(f"  not reconciled: {counter.corrected - (as_torch or forward):+,} FLOPs "
                       f"that tfcli cannot explain", style="yellow")
@@ -320,6 +341,12 @@ def _reconcile(top, counter, backward: bool, causal_flops: bool) -> tuple[list[s
                        f"model's inputs): the products that would give it are skipped, "
                        f"{skipped:,} FLOPs of tfcli's 2 × forward")
     fused = counter.corrected - (top.flops + top.backward_torch)
+    grouped = top.counter_excess
+    if fused and grouped and fused - grouped in (0, top.attention_flops // 2):
+        reasons.append(f"torch counts the weight gradient of a grouped convolution as if it "
+                       f"were not grouped (× groups): {grouped:+,} FLOPs more than the "
+                       f"products done")
+        fused -= grouped
     if fused and counter.registered and fused * 2 == top.attention_flops:
         reasons.append(f"torch counts the fused SDPA backward as 2.5 × forward (it recomputes "
                        f"QKᵀ): {fused:+,} FLOPs; tfcli's convention is 2 ×")

@@ -2,10 +2,10 @@
 ``torch.utils.flop_counter`` (per-operation counting lives in :mod:`tfcli.inspection.ops`).
 
 Convention (stated wherever a figure is printed): FLOPs = 2 × multiply-accumulates of the
-matrix products (linear layers, Q·Kᵀ and weights·V); softmax, norms, activations and
-elementwise ops are not counted (FlopCounterMode does not count them either). Backward = 2 ×
-forward. Causal attention counts the full T×T product unless ``causal_half``, which counts the
-useful half (÷2, as FlashAttention's benchmarks do).
+matrix products and convolutions (linear layers, convolutions, Q·Kᵀ and weights·V); softmax,
+norms, activations and elementwise ops are not counted (FlopCounterMode does not count them
+either). Backward = 2 × forward. Causal attention counts the full T×T product unless
+``causal_half``, which counts the useful half (÷2, as FlashAttention's benchmarks do).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-CONVENTION = ("FLOPs = 2 × multiply-accumulates of matrix products (linear, QKᵀ, AV); "
-              "backward = 2 × forward")
+from tfcli.inspection.ops import HEAVY
+
+CONVENTION = ("FLOPs = 2 × multiply-accumulates of matrix products and convolutions "
+              "(linear, conv, QKᵀ, AV); backward = 2 × forward")
 
 
 def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
@@ -32,8 +34,6 @@ def attention_flops(q: Tensor, k: Tensor, causal_half: bool = False) -> int:
 
 
 # --- FlopCounterMode, with and without the formulas torch lacks --------------------------------
-
-_HEAVY = ("mm", "matmul", "attention", "conv", "einsum", "linear")
 
 
 def _extra_formulas() -> dict:
@@ -96,7 +96,7 @@ def flop_counting():
     report.corrected = counter.get_total_flops()
     report.flop_counter = report.corrected - sum(n for op, n in by_op.items() if op in extra)
     report.missing = sorted(str(p) for p in packets
-                            if p not in flop_registry and any(word in str(p) for word in _HEAVY))
+                            if p not in flop_registry and any(word in str(p) for word in HEAVY))
 
 
 def count_with_flop_counter(run) -> CounterReport:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _MATMULS = {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm,
             Tensor.bmm, torch.mm, Tensor.mm}
@@ -63,6 +64,24 @@ def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
     if len(a) == 2 and len(b) == 2:
         return 2 * a[0] * a[1] * b[1]
     return 2 * math.prod(out_shape) * a[-1]
+
+
+# Convolutions, and whether each is transposed (its weight is then [C_in, C_out/groups, *k]).
+_CONVS = {F.conv1d: False, F.conv2d: False, F.conv3d: False, F.conv_transpose1d: True,
+          F.conv_transpose2d: True, F.conv_transpose3d: True}
+# Functions whose FLOPs tfcli counts from their module instead (shapes: nn.MultiheadAttention).
+_COUNTED_BY_MODULE = {F.multi_head_attention_forward, torch._native_multi_head_attention}
+# What a matrix-product-like aten op is named by (for ops no formula covers).
+HEAVY = ("mm", "matmul", "attention", "conv", "einsum", "linear")
+
+
+def conv_flops(x_shape, w_shape, out_shape, transposed: bool = False) -> int:
+    """2 × MACs of a convolution, its weight [C_out, C_in/groups, *kernel]: each output
+    element sums C_in/groups × kernel products. A transposed one (weight [C_in, C_out/groups,
+    *kernel]) spreads each input element over C_out/groups × kernel outputs. Padding is
+    counted as if it were data, as torch's FlopCounterMode counts it; the bias is not."""
+    per_element = w_shape[1] * math.prod(w_shape[2:])
+    return 2 * math.prod(x_shape if transposed else out_shape) * per_element
 
 
 def sdpa_flops(q: Tensor, k: Tensor, v: Tensor) -> int:
@@ -128,26 +147,87 @@ class _ByTensor:
 
 class OpObserver(TorchFunctionMode):
     """Calls ``on_op(op)`` for each observed operation. With ``keep_values`` (real tensors
-    only) it also keeps, per softmax or SDPA call, the weights and the blocked positions."""
+    only) it also keeps, per softmax or SDPA call, the weights and the blocked positions.
 
-    def __init__(self, on_op: Callable[[Op], None], keep_values: bool = False) -> None:
+    With ``every_formula``, a call whose FLOPs tfcli has no formula of its own for (a direct
+    ``torch.ops.aten.mm``, ``torch.linalg.multi_dot``, an einsum of three operands) is counted
+    from the aten operations it ran, by torch's own formulas (FlopCounterMode's registry), one
+    Op per operation kind, named after it; a matrix-product-like aten operation no formula
+    covers is reported as an ``uncounted`` Op."""
+
+    def __init__(self, on_op: Callable[[Op], None], keep_values: bool = False,
+                 every_formula: bool = False) -> None:
         super().__init__()
         self.on_op = on_op
         self.keep_values = keep_values
         self._scores = _ByTensor()  # tensor -> (scores op, what its masking blocked so far)
         self._weights = _ByTensor()  # softmax outputs, and what merely moved or masked them
+        self._aten = _AtenOps(self) if every_formula else None
+        self._inner: list | None = None  # aten operations of the call under way
+        self._counted = False  # whether tfcli counted FLOPs of that call itself
+
+    def __enter__(self):
+        if self._aten is not None:
+            self._aten.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._aten is not None:
+                self._aten.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self._aten is None:
+            out = func(*args, **kwargs)
+            try:
+                self._observe(func, args, kwargs, out)
+            except Exception:  # observing must never break the model's own forward
+                pass
+            return out
+        # The mode is off inside the calls it handles: no call is under way here.
+        self._inner, self._counted = [], False
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            inner, self._inner = self._inner, None
         try:
             self._observe(func, args, kwargs, out)
-        except Exception:  # observing must never break the model's own forward
+            if not self._counted and func not in _COUNTED_BY_MODULE:
+                for op in inner:
+                    self._emit(op)
+        except Exception:
             pass
         return out
 
     def _emit(self, op: Op) -> None:
+        if op.flops:
+            self._counted = True
         self.on_op(op)
+
+    def _aten_op(self, func, args, kwargs, out) -> None:
+        """One aten operation (from _AtenOps): kept for the call under way, or emitted at
+        once when no torch function is under way."""
+        from torch.utils.flop_counter import flop_registry
+
+        packet = func.overloadpacket
+        name = str(packet)
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            if not flops:
+                return
+            op = Op(name, _shape_of(out), flops, attention="attention" in name,
+                    backward=_aten_backward(name, args, flops), note="torch's formula")
+        elif any(word in name for word in HEAVY):
+            op = Op("uncounted", _shape_of(out), note=name)
+        else:
+            return
+        if self._inner is not None:
+            self._inner.append(op)
+        else:
+            self._emit(op)
 
     def _observe(self, func, args, kwargs, out) -> None:
         if func is F.linear:
@@ -192,6 +272,17 @@ class OpObserver(TorchFunctionMode):
                 self._emit(op)
             else:
                 self._emit(Op("linear", list(out.shape), flops, backward=backward))
+        elif func in _CONVS:
+            x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+            transposed = _CONVS[func]
+            flops = conv_flops(x.shape, w.shape, out.shape, transposed)
+            axis = 1 if x.dim() == w.dim() else 0  # a batch, or one sample
+            groups = (out if transposed else x).shape[axis] // w.shape[1]
+            # FlopCounterMode counts a grouped convolution's weight gradient as if it were
+            # not grouped: groups × the work
+            self._emit(Op("conv", list(out.shape), flops,
+                          backward=flops * (_needs(x) + _needs(w)),
+                          extra={"counter_excess": flops * (groups - 1) * _needs(w)}))
         elif func is F.scaled_dot_product_attention:
             self._sdpa(args, kwargs, out)
         elif func is F.multi_head_attention_forward and self.keep_values:
@@ -350,6 +441,41 @@ def _addmm_operands(args, kwargs) -> tuple:
     for names in (("mat1", "mat2"), ("batch1", "batch2")):
         rest += [kwargs[n] for n in names if n in kwargs]
     return rest[0], rest[1]
+
+
+class _AtenOps(TorchDispatchMode):
+    """Hands every aten operation to an OpObserver (see ``every_formula``)."""
+
+    def __init__(self, observer: OpObserver) -> None:
+        super().__init__()
+        self.observer = observer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self.observer._aten_op(func, args, kwargs, out)
+        except Exception:  # counting must never break the model's own forward
+            pass
+        return out
+
+
+def _shape_of(out) -> list[int] | None:
+    out = out[0] if isinstance(out, (tuple, list)) and out else out
+    return list(out.shape) if isinstance(out, Tensor) else None
+
+
+def _aten_backward(name: str, args, flops: int) -> int:
+    """Backward FLOPs of an aten product as autograd runs it: one product of the forward's
+    size per operand that needs a gradient (attention: Q·Kᵀ and weights·V, half each, as
+    OpObserver counts SDPA)."""
+    if "attention" in name:
+        q, k, v = args[:3]
+        half = flops // 2
+        return half * (_needs(q) + _needs(k)) + half * (int(bool(_needs(q) or _needs(k)))
+                                                        + _needs(v))
+    a, b = (args[1], args[2]) if name in ("aten.addmm", "aten.baddbmm") else args[:2]
+    return flops * (_needs(a) + _needs(b))
 
 
 def _softmax_dim(args, kwargs) -> int:

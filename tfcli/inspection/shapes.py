@@ -51,6 +51,13 @@ class ShapeEvent:
     backward_torch: int = 0  # backward as autograd runs it (no gradient for inputs that need none)
     details: list[Detail] = field(default_factory=list)
     routing: dict | None = None  # an experts call: tokens per expert, recorded or assumed
+    # forward FLOPs by what made them ("linear", "attention", "conv", an aten op counted by
+    # torch's formula), this call and everything inside it
+    flops_by_op: dict[str, int] = field(default_factory=dict)
+    uncounted: list[str] = field(default_factory=list)  # aten products no formula covers
+    # backward FLOPs FlopCounterMode counts beyond the work done: a grouped convolution's
+    # weight gradient, counted as if it were not grouped
+    counter_excess: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,6 +198,8 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
         if isinstance(module, nn.MultiheadAttention):
             event.flops, event.attention_flops, event.backward_torch, event.details = _mha(
                 module, args, kwargs)
+            event.flops_by_op = {"linear": event.flops - event.attention_flops,
+                                 "attention": event.attention_flops}
         routing = routing_of(module, args, kwargs)
         if routing is not None:
             event.routing = asdict(routing)
@@ -218,7 +227,7 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
             handles.append(module.register_forward_hook(
                 lambda m, a, kw, out, path=path: post(path, m, a, kw, out), with_kwargs=True))
         try:
-            with OpObserver(on_op):
+            with OpObserver(on_op, every_formula=True):
                 call(model)
         except TfcliError:
             raise  # bad input the model itself explains
@@ -246,6 +255,12 @@ def _settle(events: list[ShapeEvent], ops: dict[int, list[Op]], causal_half: boo
             event.flops += flops
             event.attention_flops += flops if op.attention else 0
             event.backward_torch += op.backward
+            if flops:
+                label = "attention" if op.attention else op.kind
+                event.flops_by_op[label] = event.flops_by_op.get(label, 0) + flops
+            event.counter_excess += op.extra.get("counter_excess", 0)
+            if op.kind == "uncounted" and op.note not in event.uncounted:
+                event.uncounted.append(op.note)
         event.details += _details(mine)
     for event in reversed(events):  # children come after their parent
         if event.parent is not None:
@@ -253,6 +268,10 @@ def _settle(events: list[ShapeEvent], ops: dict[int, list[Op]], causal_half: boo
             parent.flops += event.flops
             parent.attention_flops += event.attention_flops
             parent.backward_torch += event.backward_torch
+            parent.counter_excess += event.counter_excess
+            for label, flops in event.flops_by_op.items():
+                parent.flops_by_op[label] = parent.flops_by_op.get(label, 0) + flops
+            parent.uncounted += [u for u in event.uncounted if u not in parent.uncounted]
 
 
 # --- symbolic dimensions ---------------------------------------------------------------------

@@ -10,8 +10,8 @@ from tfcli.bench.sweep import Fit, Record
 from tfcli.render import human_bytes
 from tfcli.render.columns import Col, fit_table, left_out_line
 
-FLOP_CONVENTION = ("FLOPs: 2 × multiply-accumulates of matrix products; backward = 2 × forward; "
-                   "causal attention counts half")
+FLOP_CONVENTION = ("FLOPs: 2 × multiply-accumulates of matrix products and convolutions; "
+                   "backward = 2 × forward; causal attention counts half")
 
 
 def _ms(seconds: float | None) -> str:
