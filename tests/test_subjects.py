@@ -117,6 +117,20 @@ def hf_configs(tmp_path):
                                         encoder_attention_heads=4, decoder_attention_heads=4,
                                         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
                                         max_position_embeddings=64),
+        # sizes apart from each other and from B: 20×20 images of 5×5 patches, 3 channels
+        "vit": transformers.ViTConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=48, image_size=20, patch_size=5,
+                                      num_labels=11,
+                                      architectures=["ViTForImageClassification"]),
+        # no architectures: tfcli finds the speech-to-text class itself
+        "whisper": transformers.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                              encoder_attention_heads=4,
+                                              decoder_attention_heads=4, encoder_ffn_dim=64,
+                                              decoder_ffn_dim=64, vocab_size=100, num_mel_bins=10,
+                                              max_source_positions=12, max_target_positions=16,
+                                              pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                              decoder_start_token_id=3, suppress_tokens=None,
+                                              begin_suppress_tokens=None),
     }
     paths = {}
     for name, config in configs.items():
@@ -269,6 +283,192 @@ def test_bench_model_runs_a_user_model(cli):
                     "--pass", "fwd", "--min-time", "0.01", "--max-time", "0.2")
     assert [(r["seq_len"], r["status"]) for r in data["records"]] == [(8, "ok"), (16, "ok")]
     assert all(r["flops"] > 0 and r["attention_share"] > 0 for r in data["records"])
+
+
+# --- images and speech: ViT and Whisper ------------------------------------------------------
+
+VISION_SPEECH = [("vit", "ViTForImageClassification"),
+                 ("whisper", "WhisperForConditionalGeneration")]
+
+
+def vision_speech_inputs(name: str, config, height: int = 20, width: int = 20) -> dict:
+    """What the Transformers model is given, written from its documentation: an image
+    [B, num_channels, H, W]; Whisper's log-mel features [B, num_mel_bins, 2 ×
+    max_source_positions] and decoder ids [B, T]."""
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, config.num_channels, height, width),
+                "interpolate_pos_encoding": (height, width) != (20, 20)}
+    return {"input_features": torch.randn(2, config.num_mel_bins,
+                                          2 * config.max_source_positions),
+            "decoder_input_ids": torch.randint(0, config.vocab_size, (2, 7))}
+
+
+@pytest.mark.parametrize("name,cls", VISION_SPEECH)
+def test_hf_vision_and_speech_params_equal_the_transformers_model(cli, hf_configs, name, cls):
+    configs, paths = hf_configs
+    model = getattr(transformers, cls)(configs[name])  # built and initialised as usual
+    data = run_json(cli, "params", "--model", f"hf:{paths[name]}")
+    assert data["subject"]["class"] == cls
+    assert data["total_params"] == sum(p.numel() for p in model.parameters())
+    # the activation replay builds it on fake tensors, where ViT's init cannot run
+    data = run_json(cli, "params", "--model", f"hf:{paths[name]}", "--seq-len", "5")
+    assert data["bytes"]["activations: other saved"] > 0
+    assert ("C=3, H=20, W=20" if name == "vit" else "F=10, N=24, T=5") \
+        in data["activations_method"]
+
+
+@pytest.mark.parametrize("name,cls", VISION_SPEECH)
+def test_hf_vision_and_speech_flops_equal_flop_counter_convolutions_too(cli, hf_configs, name,
+                                                                         cls):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    configs, paths = hf_configs
+    config = configs[name]
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, cls)(config)
+    inputs = vision_speech_inputs(name, config)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as forward, \
+            torch.no_grad():
+        model(**inputs)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as both:
+        model(**inputs).logits.sum().backward()
+    flops = run_json(cli, "shapes", "--model", f"hf:{paths[name]}", "--backward")["flops"]
+    assert flops["forward"] == forward.get_total_flops()
+    assert flops["by_op"]["conv"] == forward.get_flop_counts()["Global"][
+        torch.ops.aten.convolution] > 0  # ViT's patch embedding, Whisper's two convolutions
+    # backward as autograd runs it (the math kernel: plain products, no fused SDPA backward)
+    assert flops["forward_backward_as_torch_runs_it"] == both.get_total_flops()
+    assert flops["reconciled_exactly"]
+
+
+def test_bench_model_sweeps_image_sides(cli, hf_configs):
+    """An image model's lengths are its sides (H = W); its tokens are its patches. (Whisper's
+    sweep is its decoder's length, as for any encoder-decoder: ~2 s more, not repeated.)"""
+    _, paths = hf_configs
+    data = run_json(cli, "bench", "--what", "model", "--model", f"hf:{paths['vit']}",
+                    "--seq-lens", "10,20", "--pass", "fwd", "--min-time", "0.01",
+                    "--max-time", "0.05")
+    assert [r["status"] for r in data["records"]] == ["ok", "ok"]
+    # 2×2 and 4×4 patches of 5 pixels, batch 1
+    assert [round(r["tokens_per_s"] * r["median_s"]) for r in data["records"]] == [4, 16]
+    assert all(r["flops"] > 0 and r["attention_share"] > 0 for r in data["records"])
+
+
+def test_hf_masks_check_on_whisper_decoder(cli, hf_configs):
+    _, paths = hf_configs
+    result = cli("masks", "--model", f"hf:{paths['whisper']}", "--causal", "decoder_input_ids",
+                 "--lengths", "decoder_input_ids=7,4", "--pad-id", "0", "--check", "--json")
+    checks = {c["name"]: c["status"] for c in json.loads(result.stdout)["check"]["checks"]}
+    assert checks["causality of decoder_input_ids"] == "passed", checks
+    assert checks["padding of decoder_input_ids: length"] == "passed", checks
+
+
+def test_hf_image_sizes_follow_dim_and_are_named(cli, hf_configs):
+    """H and W from --dim (ViT interpolates its position embeddings), P = (H/5)·(W/5) patches
+    and L = P + 1 (its class token) named; FLOPs still equal FlopCounterMode's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    configs, paths = hf_configs
+    args = ["shapes", "--model", f"hf:{paths['vit']}", "--dim", "H=15", "--dim", "W=30"]
+    data = run_json(cli, *args)
+    assert data["events"][0]["inputs"] == [[2, 3, 15, 30]]
+    assert data["events"][0]["inputs_symbolic"] == ["[B, C, H, W]"]
+    assert {k: data["dims"][k] for k in "CHWPL"} == {"C": 3, "H": 15, "W": 30, "P": 18, "L": 19}
+    assert data["legend"]["P"].startswith("image patches") and data["legend"]["C"] == \
+        "image channels"
+    config = configs["vit"]
+    config._attn_implementation = "sdpa"
+    model = transformers.ViTForImageClassification(config).eval()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, \
+            torch.no_grad():
+        model(**vision_speech_inputs("vit", config, 15, 30))
+    assert data["flops"]["forward"] == counter.get_total_flops()
+    text = cli(*args).stdout
+    assert "where C image channels, H image height, W image width, P image patches" in text
+
+
+def test_hf_speech_dims_named_and_fixed_sizes_refused(cli, hf_configs):
+    _, paths = hf_configs
+    data = run_json(cli, "shapes", "--model", f"hf:{paths['whisper']}", "--dim", "T=5")
+    assert data["events"][0]["inputs"] == [[2, 10, 24], [2, 5]]
+    assert data["events"][0]["inputs_symbolic"] == ["[B, F, N]", "[B, T]"]
+    assert (data["dims"]["F"], data["dims"]["N"], data["dims"]["S"]) == (10, 24, 12)
+    assert data["legend"]["F"] == "mel bins" and data["legend"]["N"] == "audio frames"
+    for model, dim, words in (("whisper", "N=30", "takes exactly 2 × max_source_positions = 24"),
+                              ("whisper", "F=8", "num_mel_bins=10"),
+                              ("vit", "C=4", "num_channels=3"), ("vit", "L=5", "B, C, H, W")):
+        result = cli("shapes", "--model", f"hf:{paths[model]}", "--dim", dim)
+        assert result.exit_code == 2 and words in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1
+
+
+ODD_LAYERS = """import torch
+from torch import nn
+
+
+class Odd(nn.Module):
+    \"\"\"A grouped and a transposed convolution, a product tfcli has no formula for
+    (multi_dot: two aten.mm) and one nobody has (nn.Bilinear: aten._trilinear).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(8, 6))
+        self.b = nn.Parameter(torch.randn(6, 8))
+        self.up = nn.ConvTranspose1d(8, 6, 3, stride=2, groups=2)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1, groups=2)
+        self.bilinear = nn.Bilinear(8, 8, 4)
+
+    def forward(self, x):
+        y = torch.linalg.multi_dot([x.flatten(0, 1), self.a, self.b]).view_as(x)
+        z = self.up(y.transpose(1, 2))
+        image = self.conv(x[:, None].expand(-1, 2, -1, -1))
+        return self.bilinear(x, y).sum() + z.sum() + image.sum()
+"""
+
+
+def test_convolutions_and_products_without_a_formula_reconcile(cli, tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    path = tmp_path / "odd_layers.py"
+    path.write_text(ODD_LAYERS)
+    args = ["shapes", "--model", f"{path}:Odd", "--input", "x=float32[B,L,8]"]
+    spec = importlib.util.spec_from_file_location("odd_layers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, x = module.Odd(), torch.randn(2, 9, 8)
+    with FlopCounterMode(display=False) as forward:
+        model(x)
+    with FlopCounterMode(display=False) as both:
+        model(x).backward()
+    flops = run_json(cli, *args)["flops"]
+    assert flops["forward"] == forward.get_total_flops()
+    counts = forward.get_flop_counts()["Global"]
+    assert flops["by_op"] == {"conv": counts[torch.ops.aten.convolution],
+                              "aten.mm": counts[torch.ops.aten.mm]}
+    assert flops["counted_by_neither"] == ["aten._trilinear"]
+    text = cli(*args).stdout
+    assert "neither tfcli nor torch has a formula for aten._trilinear" in text
+    assert "over the work both count (aten._trilinear left out)" in text
+    flops = run_json(cli, *args, "--backward")["flops"]
+    assert flops["reconciled_exactly"]
+    assert any("grouped convolution" in reason for reason in flops["differences"])
+    assert flops["flop_counter"] == both.get_total_flops()
+
+
+def test_a_user_model_initialised_with_trunc_normal_is_replayed(cli, tmp_path):
+    """torch's trunc_normal_ reads values, which the fake tensors of the replay lack."""
+    path = tmp_path / "init_model.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\nclass M(nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__()\n"
+                    "        self.lin = nn.Linear(8, 8)\n"
+                    "        self.token = nn.Parameter(torch.zeros(1, 8))\n"
+                    "        nn.init.trunc_normal_(self.token, std=0.02)\n\n"
+                    "    def forward(self, x):\n        return self.lin(x + self.token)\n")
+    data = run_json(cli, "params", "--model", f"{path}:M", "--input", "x=float32[B,L,8]",
+                    "--seq-len", "4")
+    assert data["total_params"] == 8 * 8 + 8 + 8 and data["bytes"]["peak of a training step"] > 0
 
 
 # --- bad input: one line, exit 2 --------------------------------------------------------------

@@ -128,8 +128,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
                     may_fall_back: bool = False, fallback: str | None = None) -> None:
     from tfcli.inspection import moe
     from tfcli.inspection.flops import CONVENTION, count_with_flop_counter, flop_counting
-    from tfcli.inspection.shapes import (ForwardFailed, ambiguous, infer_dims, reused_calls,
-                                         symbolic, trace)
+    from tfcli.inspection.shapes import (ForwardFailed, ambiguous, attention_length,
+                                         infer_dims, reused_calls, symbolic, trace)
     from tfcli.model import masks
     from tfcli.render.shapes import build_tree, flops_text
     from tfcli.subjects.base import LEGEND, MODALITY_LETTERS, error_text, primary_output
@@ -182,6 +182,11 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         if "L" in used:
             names["B·L"] = used["B"] * used["L"]
     moe_flops = moe.flops_summary(experts, events)
+    meaning = {k: LEGEND[k] for k in names if k in LEGEND}
+    length = None if {"S", "T", "L"} & set(names) else attention_length(events, names)
+    if length:  # a ViT's patches and class token
+        names["L"], meaning["L"] = length, "the length attention runs over"
+    spelled = [f"{k} {meaning[k]}" for k in names if k in MODALITY_LETTERS or k == "L" and length]
 
     forward = events[0].flops
     windowed = subject.windowed_flops(events) if hasattr(subject, "windowed_flops") else None
@@ -204,7 +209,7 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
 
     if json_out:
         print_json({
-            "dims": names, "legend": {k: LEGEND[k] for k in names if k in LEGEND},
+            "dims": names, "legend": meaning,
             "ambiguous": unclear, "device": device_name, "fallback": fallback,
             "reused": [r.to_dict() for r in reused],
             "subject": subject.describe(),
@@ -231,7 +236,6 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         console.print(f"note: {fallback}", style="yellow")
     legend = "  ".join(f"{k}={v}" for k, v in names.items())
     console.print(f"dimensions: {legend}")
-    spelled = [f"{k} {LEGEND[k]}" for k in names if k in MODALITY_LETTERS]
     if spelled:
         console.print(f"  where {', '.join(spelled)}")
     for line in unclear:

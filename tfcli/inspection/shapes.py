@@ -327,6 +327,18 @@ def infer_dims(model: nn.Module, events: list[ShapeEvent]) -> dict[str, int]:
     return names
 
 
+def attention_length(events: list[ShapeEvent], names: dict[str, int]) -> int | None:
+    """The length a model's self-attention runs over where no input gives it (an image's
+    patches and the tokens the model adds to them): the first square score matrix
+    [B, h, L, L] whose L no name has."""
+    for event in events:
+        for d in event.details:
+            if d.label.startswith("scores") and d.shape and len(d.shape) == 4 \
+                    and d.shape[2] == d.shape[3] and d.shape[3] not in names.values():
+                return d.shape[3]
+    return None
+
+
 def ambiguous(names: dict[str, int]) -> dict[int, list[str]]:
     """Sizes that two names share: their symbolic form cannot tell them apart."""
     by_value: dict[int, list[str]] = {}

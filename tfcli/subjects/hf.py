@@ -192,9 +192,12 @@ class HFSubject(Subject):
                 raise TfcliError(f"--hf-class {class_name!r}: Transformers has no model class "
                                  f"of that name (e.g. LlamaForCausalLM, GPT2LMHeadModel)")
         autos = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel")
-        if getattr(self.config, "is_encoder_decoder", False):
-            autos = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModel")
+        if getattr(self.config, "is_encoder_decoder", False):  # Whisper: speech to text
+            autos = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
+                     "AutoModelForCausalLM", "AutoModel")
         for auto in autos:
+            if not hasattr(tf, auto):
+                continue
             mapping = getattr(tf, auto)._model_mapping
             try:
                 return mapping[type(self.config)]
