@@ -404,6 +404,18 @@ def test_hf_speech_dims_named_and_fixed_sizes_refused(cli, hf_configs):
         assert result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("value,words", [
+    ([0, 20], "image_size=[0, 20]: an image size is a positive integer or a pair"),
+    (-20, "image_size=-20: a size must be a positive integer")])
+def test_a_bad_image_size_is_one_line(cli, hf_configs, tmp_path, value, words):
+    configs, _ = hf_configs
+    path = tmp_path / "bad_vit.json"
+    path.write_text(json.dumps({**configs["vit"].to_dict(), "image_size": value}))
+    result = cli("shapes", "--model", f"hf:{path}")
+    assert result.exit_code == 2 and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 ODD_LAYERS = """import torch
 from torch import nn
 

@@ -152,8 +152,8 @@ class OpObserver(TorchFunctionMode):
     With ``every_formula``, a call whose FLOPs tfcli has no formula of its own for (a direct
     ``torch.ops.aten.mm``, ``torch.linalg.multi_dot``, an einsum of three operands) is counted
     from the aten operations it ran, by torch's own formulas (FlopCounterMode's registry), one
-    Op per operation kind, named after it; a matrix-product-like aten operation no formula
-    covers is reported as an ``uncounted`` Op."""
+    Op per aten operation, named after it ("aten.mm"); a matrix-product-like aten operation no
+    formula covers is reported as an ``uncounted`` Op."""
 
     def __init__(self, on_op: Callable[[Op], None], keep_values: bool = False,
                  every_formula: bool = False) -> None:

@@ -67,7 +67,8 @@ def _check_model_type(tf, model_type, path_text: str) -> None:
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
               "encoder_layers", "decoder_layers")
 SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff",
-             "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size")
+             "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "image_size", "patch_size",
+             "num_channels", "num_mel_bins", "max_source_positions")
 DERIVED_KEYS = ("head_dim", "d_kv")  # 0 means "width / heads" to some model types (glm5_next)
 QUERY_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
                    "decoder_attention_heads")
@@ -124,11 +125,15 @@ def _no_init_on_fake():
         yield
 
 
-def _pair(value) -> tuple[int, int]:
-    """(height, width) from a configuration's size: one int, or a pair."""
-    if isinstance(value, (list, tuple)):
-        return int(value[0]), int(value[-1])
-    return int(value), int(value)
+def _pair(config, key: str, label: str) -> tuple[int, int]:
+    """(height, width) from a configuration's image or patch size: one int, or a pair."""
+    value = getattr(config, key)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not 1 <= len(values) <= 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise TfcliError(f"--model {label}: {key}={str(value)[:60]}: an image size is a "
+                         f"positive integer or a pair [height, width]")
+    return values[0], values[-1]
 
 
 class HFSubject(Subject):
@@ -283,11 +288,20 @@ class HFSubject(Subject):
         return None
 
     def _image_size(self) -> tuple[int, int]:
-        return _pair(self._vision().image_size)
+        return _pair(self._vision(), "image_size", self.label)
 
     def _patch(self) -> tuple[int, int] | None:
-        patch = getattr(self._vision(), "patch_size", None)
-        return _pair(patch) if patch else None
+        if getattr(self._vision(), "patch_size", None) is None:
+            return None
+        return _pair(self._vision(), "patch_size", self.label)
+
+    def _channels(self) -> int:
+        channels = getattr(self._vision(), "num_channels", None)
+        return channels if isinstance(channels, int) and channels > 0 else 3
+
+    def _mel_bins(self) -> int | None:
+        bins = getattr(self.config, "num_mel_bins", None)
+        return bins if isinstance(bins, int) and bins > 0 else None
 
     def _speech_frames(self) -> int | None:
         """The one length of Whisper-style input features: its encoder's two convolutions
@@ -300,8 +314,7 @@ class HFSubject(Subject):
         text = getattr(self.config, "vocab_size", None) is not None
         if main == "pixel_values" and self._vision() is not None:
             specs = [InputSpec("pixel_values", "float32", ("B", "C", "H", "W"))]
-        elif main == "input_features" and getattr(self.config, "num_mel_bins", None) \
-                and self._speech_frames():
+        elif main == "input_features" and self._mel_bins() and self._speech_frames():
             specs = [InputSpec("input_features", "float32", ("B", "F", "N"))]
         elif main == "input_ids":
             if self.encoder_decoder:
@@ -336,10 +349,10 @@ class HFSubject(Subject):
         """B, S, T, L as for any model; C, H, W, F and N as the configuration gives them."""
         sizes = dict(Subject.default_sizes)
         if self._vision() is not None:
-            sizes["C"] = int(getattr(self._vision(), "num_channels", 3) or 3)
+            sizes["C"] = self._channels()
             sizes["H"], sizes["W"] = self._image_size()
-        if getattr(self.config, "num_mel_bins", None) and self._speech_frames():
-            sizes["F"], sizes["N"] = int(self.config.num_mel_bins), self._speech_frames()
+        if self._mel_bins() and self._speech_frames():
+            sizes["F"], sizes["N"] = self._mel_bins(), self._speech_frames()
         return sizes
 
     def fixed_dims(self) -> dict[str, tuple[int, str]]:
@@ -368,7 +381,7 @@ class HFSubject(Subject):
 
     def tokens(self, sizes: dict[str, int]) -> int:
         derived = self.derived_dims(sizes)
-        if "P" in derived:
+        if "P" in derived and self.length_dims() == ["H", "W"]:
             return sizes["B"] * derived["P"]  # an image is its patches
         return super().tokens(sizes)
 
@@ -402,13 +415,13 @@ class HFSubject(Subject):
         return int(getattr(self.config, "vocab_size", 0) or 2)
 
     def length_dims(self) -> list[str]:
-        """The letters a sweep grows: the text's lengths, an image's sides (H and W together);
-        not Whisper's frames, which its encoder fixes."""
+        """The letters a sweep grows: the text's lengths, else an image's sides (H and W
+        together); not Whisper's frames, which its encoder fixes."""
         if self.input_specs:
             letters = [d for s in self.input_specs for d in s.dims if d in ("S", "T", "L")]
             return list(dict.fromkeys(letters))
         used = self.dims_used()
-        return [d for d in ("S", "T", "L", "H", "W") if d in used]
+        return [d for d in ("S", "T", "L") if d in used] or [d for d in ("H", "W") if d in used]
 
     def dims_used(self) -> list[str]:
         specs = self.input_specs or self._specs()
