@@ -317,6 +317,25 @@ def test_hf_vision_and_speech_params_equal_the_transformers_model(cli, hf_config
         in data["activations_method"]
 
 
+def test_a_constructor_that_reads_its_own_tensors_builds_on_fake_tensors(cli, tmp_path):
+    """ConvNeXt's constructor reads values (torch.linspace(...).tolist() for its drop-path
+    rates), which fake tensors cannot give: the replay builds it on meta instead."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = transformers.ConvNextConfig(patch_size=4, num_stages=2, hidden_sizes=[8, 16],
+                                         depths=[1, 1], image_size=16, num_labels=5,
+                                         architectures=["ConvNextForImageClassification"])
+    config.to_json_file(tmp_path / "config.json")
+    data = run_json(cli, "params", "--model", f"hf:{tmp_path}", "--seq-len", "4")
+    assert data["bytes"]["activations: other saved"] > 0
+    model = transformers.ConvNextForImageClassification(config)
+    assert data["total_params"] == sum(p.numel() for p in model.parameters())
+    with FlopCounterMode(display=False) as counter:
+        model(pixel_values=torch.randn(2, 3, 16, 16))
+    data = run_json(cli, "shapes", "--model", f"hf:{tmp_path}", "--batch-size", "2")
+    assert data["flops"]["forward"] == counter.get_total_flops()
+
+
 @pytest.mark.parametrize("name,cls", VISION_SPEECH)
 def test_hf_vision_and_speech_flops_equal_flop_counter_convolutions_too(cli, hf_configs, name,
                                                                          cls):

@@ -242,10 +242,46 @@ class HFSubject(Subject):
             if fake_mode_active():
                 model.tie_weights()  # what post_init does after initialising
         except Exception as error:
-            raise TfcliError(f"--model {self.label}: building it raised "
-                             f"{error_text(error, whole=True)}") from None
+            if not (fake_mode_active() and "DataDependent" in type(error).__name__):
+                raise TfcliError(f"--model {self.label}: building it raised "
+                                 f"{error_text(error, whole=True)}") from None
+            model = self._build_on_meta_as_fake(device, dtype)
         self.has_experts = any(is_stacked_experts(m) for m in model.modules())
         self.attention_by_model = _attention_taken(model)
+        return model
+
+    def _build_on_meta_as_fake(self, device, dtype) -> nn.Module:
+        """A model whose constructor reads values of tensors it makes (ConvNeXt's drop-path
+        rates, ``torch.linspace(...).tolist()``) cannot be built under fake tensors: build it
+        on meta, where such tensors are real, and make its parameters and buffers fake ones
+        on ``device`` (each tied tensor once)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        mode = next(m for m in _get_current_dispatch_mode_stack()
+                    if isinstance(m, FakeTensorMode))
+        try:
+            with unset_fake_temporarily(), building("meta", dtype):
+                model = self.model_class(self.config)
+        except Exception as error:
+            raise TfcliError(f"--model {self.label}: building it raised "
+                             f"{error_text(error, whole=True)}") from None
+        made: dict[int, torch.Tensor] = {}
+
+        def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+            if id(t) not in made:
+                out = mode.fake_tensor_converter.from_meta_and_device(mode, t,
+                                                                      torch.device(device))
+                made[id(t)] = nn.Parameter(out, t.requires_grad) if parameter else out
+            return made[id(t)]
+
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = fake(p, True)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = fake(b, False)
         return model
 
     def use_experts(self, real: str) -> None:
