@@ -59,6 +59,10 @@ class _LiveStorages(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
         return out
 
+    def phase(self, stage: str) -> None:
+        """Where simulate_step is ("backward", "optimizer step", "zero_grad"): nothing to a
+        counter; a timeline recorder (tfcli.inspection.timeline) marks it."""
+
 
 class _SavedTensors:
     """Records each distinct storage autograd saves for backward. A saved tensor whose last two
@@ -213,12 +217,13 @@ def _optimizer(name: str, params: list):
 def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
                   loss: Callable[[object], Tensor], optimizer: str,
                   autocast_dtype: torch.dtype | None = None, device: str = "cpu",
-                  kernel: str = "auto", keep_grads: bool = False) -> int:
+                  kernel: str = "auto", keep_grads: bool = False, timeline=None) -> int:
     """Peak bytes of one steady-state training step as PyTorch's default loop runs it —
     forward; backward, gradients allocated as produced while activations are freed;
     ``optimizer.step()`` with its temporaries; ``zero_grad(set_to_none=not keep_grads)`` —
     above the weights, buffers, optimizer state, inputs (and kept gradients), which exist
-    before the step. Replayed on fake tensors: nothing is allocated."""
+    before the step. Replayed on fake tensors: nothing is allocated. ``timeline``: a
+    tfcli.inspection.timeline.TimelineRecorder that records every allocation and free."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.subjects.base import Inputs
@@ -237,17 +242,21 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         state = [t for st in opt.state.values() for t in st.values() if isinstance(t, Tensor)]
         existing = [*model.parameters(), *model.buffers(), *state, *inputs.tensors(),
                     *(p.grad for p in trainable if p.grad is not None)]
-        live = _LiveStorages(existing)
+        live = _LiveStorages(existing) if timeline is None else \
+            timeline.start(existing, model, opt, inputs.tensors())
         del existing, state
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with live:
             with running(model, during=REPLAY), amp, attention_kernel(kernel):
                 out = loss(inputs(model))
+            live.phase("backward")
             with running(model, "backward pass", REPLAY):
                 out.backward()
             del out
+            live.phase("optimizer step")
             opt.step()
+            live.phase("zero_grad")
             opt.zero_grad(set_to_none=not keep_grads)
     return live.peak
 
@@ -391,10 +400,12 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
 
 
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
-                       optimizer: str, kernel: str = "auto", keep_grads: bool = False) -> int:
+                       optimizer: str, kernel: str = "auto", keep_grads: bool = False,
+                       timeline=None) -> int:
     build, make_inputs = _replay_args(subject, sizes, dtype)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
-                         DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads)
+                         DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
+                         timeline=timeline)
 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
@@ -405,10 +416,12 @@ def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: st
 
 def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str, keep_grads: bool, resident: int,
-                       grads: int) -> MemoryLine:
+                       grads: int, timeline=None) -> MemoryLine:
     """The peak of one steady-state training step: what exists before it (weights, buffers,
-    optimizer state, kept gradients) plus the replayed step's own peak above that."""
-    step = estimate_step_peak(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads)
+    optimizer state, kept gradients) plus the replayed step's own peak above that;
+    ``timeline`` (a TimelineRecorder) records the same replay's events."""
+    step = estimate_step_peak(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
+                              timeline)
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
