@@ -1,14 +1,163 @@
-"""The memory timeline of a replayed training step (issue 23, first step), checked against
-torch.profiler's memory timeline of a real CPU step."""
+"""`params --seq-len L --timeline FILE` (issue 23, first step): the replayed training step's
+allocations and frees, checked against the peak line, against PyTorch's own snapshot tooling,
+and against torch.profiler's memory timeline of a real CPU step."""
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
+import pickle
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "tutorial_transformer.py")
+# Small enough that a replay takes a fraction of a second: one layer a side, L = 8.
+TINY = ("--preset", "tiny", "--set", "n_encoder_layers=1", "--set", "n_decoder_layers=1")
+USER = ("--model", f"{EXAMPLE}:build", "--model-arg", "d_model=32", "--model-arg", "d_ff=48",
+        "--model-arg", "layers=1", "--model-arg", "src_vocab=50", "--model-arg", "tgt_vocab=60",
+        "--input", "src=int64[B,S]", "--input", "tgt=int64[B,T]")
+SIZES = ("--seq-len", "8", "--batch-size", "2")
+
+
+def run_json(cli, *args) -> dict:
+    result = cli("params", *args, *SIZES, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def trace_peak(snapshot: dict) -> int:
+    """The highest live total of a torch.cuda.memory._snapshot() trace, read as its format
+    says: alloc adds the block, free_completed takes it away."""
+    live = peak = 0
+    for event in snapshot["device_traces"][0]:
+        live += {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("model", [TINY, USER], ids=["tiny", "user-module"])
+def test_json_is_a_memory_snapshot_whose_peak_is_the_peak_line(cli, tmp_path, model):
+    from torch.cuda import _memory_viz as viz
+
+    plain = run_json(cli, *model)["bytes"]["peak of a training step"]  # no recorder
+    path = tmp_path / "t.json"
+    data = run_json(cli, *model, "--timeline", str(path))
+    assert data["bytes"]["peak of a training step"] == plain
+    assert data["timeline"]["peak_bytes"] == plain and data["timeline"]["path"] == str(path)
+    snapshot = json.loads(path.read_text())
+    assert trace_peak(snapshot) == plain
+
+    # PyTorch's own tooling reads it: segsum checks the segments' accounting, trace and the
+    # flamegraph inputs walk every event and block, the viewer pages embed it
+    identity = lambda text: text  # noqa: E731 (no flamegraph.pl download)
+    assert "total_free: 0.0B" in viz.segsum(snapshot)
+    assert len(viz.trace(snapshot).splitlines()) == len(snapshot["device_traces"][0]) + 3
+    lines = viz.memory(snapshot, format_flamegraph=identity).splitlines()
+    at_end = sum(b["size"] for s in snapshot["segments"] for b in s["blocks"])
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) == at_end
+    assert viz.segments(snapshot, format_flamegraph=identity).count("\n") == len(lines)
+    for page in (viz.trace_plot(snapshot), viz.segment_plot(snapshot)):
+        embedded = json.loads(re.search(r"const local_files = (.*)\n", page).group(1))
+        assert pickle.loads(base64.b64decode(embedded[0]["base64"]).rstrip(b"\0")) == snapshot
+    # what is never freed, as torch pairs allocations with frees, is what the segments hold
+    kept = viz.filter_alloc_free_pairs(copy.deepcopy(snapshot))["device_traces"][0]
+    assert {e["action"] for e in kept} == {"alloc"} and sum(e["size"] for e in kept) == at_end
+    first = snapshot["device_traces"][0][0]
+    assert first["category"] == "parameter" and first["frames"][0]["filename"]
+
+
+def test_html_is_self_contained_and_marks_phases_and_the_peak(cli, tmp_path):
+    path = tmp_path / "t.html"
+    data = run_json(cli, *TINY, "--timeline", str(path))
+    page = path.read_text()
+    peak = data["bytes"]["peak of a training step"]
+    assert not re.search(r"\b(src|href)=|@import|url\(", page)
+    assert re.findall(r"https?://[^\"' ]+", page) == ["http://www.w3.org/2000/svg"]
+    for phase in ("before the step", "forward encoder.layers.0", "loss",
+                  "backward decoder.layers.0", "optimizer step", "zero_grad"):
+        assert f">{phase}<" in page, phase
+    assert f"{peak:,} B" in page and "equal to the peak line" in page
+    # the points the drawing and its script use: the highest stack is the peak
+    data_in_page = json.loads(re.search(r'id="data">(.*?)</script>', page).group(1))
+    assert max(sum(p[1:]) for p in data_in_page["points"]) == peak
+    script = re.findall(r"<script>(.*?)</script>", page, flags=re.S)[-1]
+    assert set(re.findall(r"\bd\.(\w+)", script)) <= set(data_in_page)  # all it reads is there
+    largest = data["timeline"]["by_category_at_peak"]
+    assert sum(largest.values()) == peak
+
+
+def test_png_follows_the_plot_conventions(cli, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    seen = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        seen.update(title=fig._suptitle.get_text(), ylabel=ax.get_ylabel(),
+                    legend=[t.get_text() for t in fig.legends[0].get_texts()],
+                    texts=[t.get_text() for t in ax.texts])
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    path = tmp_path / "t.png"
+    result = cli("params", *TINY, *SIZES, "--depth", "0", "--timeline", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote timeline: {path}" in result.stdout
+    assert "encoder-decoder (tiny)" in seen["title"] and "B=2, S=8, T=8" in seen["title"]
+    assert "adam.step()" in seen["title"] and seen["ylabel"] == "live memory (MiB)"
+    assert any(t.startswith("activations") for t in seen["legend"])
+    assert any(t.startswith("peak ") for t in seen["texts"])
+
+
+def test_png_without_matplotlib_is_one_line_naming_the_extra(cli, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = cli("params", *TINY, *SIZES, "--timeline", str(tmp_path / "t.png"))
+    assert result.exit_code == 2 and list(tmp_path.iterdir()) == []
+    assert result.stderr.count("\n") == 1 and "the 'plot' extra" in result.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--timeline", "t.json"), "--timeline applies to the memory of a step: add --seq-len"),
+    ((*SIZES, "--timeline", "t.svg"), "must end in .json, .html or .png"),
+    ((*SIZES, "--parallel", "dp=2", "--timeline", "t.json"),
+     "--timeline is not yet supported with --parallel"),
+    ((*SIZES, "--inference", "--timeline", "t.json"),
+     "--timeline is not yet supported with --inference"),
+    ((*SIZES, "--timeline", "d.json"), "is a directory"),
+    ((*SIZES, "--timeline", "nowhere/t.json"), "no such directory"),
+])
+def test_refusals(cli, tmp_path, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.json").mkdir()
+    result = cli("params", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert words in result.stderr, result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["d.json"]
+
+
+def test_a_failed_write_leaves_the_old_file(cli, tmp_path, monkeypatch):
+    import tfcli.render.timeline as draw
+
+    def full_disk(timeline, about, out):
+        out.write("<!DOCTYPE html> half a page")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(draw, "write_html", full_disk)
+    path = tmp_path / "t.html"
+    path.write_text("old page")
+    result = cli("params", *TINY, "--seq-len", "4", "--batch-size", "1", "--timeline",
+                 str(path))
+    assert result.exit_code == 1
+    assert result.stderr == f"tfcli: error: --timeline '{path}': No space left on device\n"
+    assert path.read_text() == "old page" and list(tmp_path.iterdir()) == [path]
 
 
 # --- against torch.profiler's memory timeline of a real CPU step --------------------------------

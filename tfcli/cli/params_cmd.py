@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -125,6 +126,13 @@ RULES = Rules(
     Rule("optimizer", TRAINING),
     Rule("mixed_precision", TRAINING),
     Rule("keep_grads", TRAINING),
+    Rule("timeline", STEP,
+         Needs(lambda v: v.per_rank is None, "not with --parallel",
+               "is not yet supported with {v.per_rank}: it draws one device's training step "
+               "(a rank's timeline is still to come); drop {v.per_rank}"),
+         Needs(lambda v: not v.inference, "not with --inference",
+               "is not yet supported with --inference: it draws a training step (the decode "
+               "timeline is still to come); drop --inference")),
     derived={"per_rank": _per_rank,
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
@@ -191,10 +199,16 @@ def params(
     fit_: Annotated[Optional[Fit], typer.Option(
         "--fit", show_default=False,
         help="Search the largest --batch-size or --seq-len that fits --device-memory.")] = None,
+    timeline: Annotated[Optional[Path], typer.Option(
+        "--timeline", metavar="FILE", show_default=False,
+        help="Draw the replayed training step's memory over time, by category, with its "
+             "phases and what is alive at the peak: FILE.png (the 'plot' extra), .html "
+             "(self-contained) or .json (torch.cuda.memory._snapshot() format).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
     v = RULES.apply(locals())
+    _check_timeline(timeline)
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
@@ -262,9 +276,26 @@ def params(
                                      activations)
         if activations is not None and not (dtype is DType.int8 and not mixed):
             by = {m.name: m.bytes for m in memory}
+            recorder = None
+            if timeline is not None:
+                from tfcli.inspection.timeline import TimelineRecorder
+
+                recorder = TimelineRecorder()
             memory.append(mem.training_peak_line(
                 subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
-                by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"]))
+                by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
+                recorder))
+            if recorder is not None:
+                precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
+                written = _write_timeline(timeline, recorder.timeline, memory[-1].bytes, {
+                    "what": f"one training step (forward, loss, backward, "
+                            f"{optimizer.value}.step(), zero_grad(set_to_none="
+                            f"{not keep_grads}))",
+                    "model": subject.label, "sizes": mem._sizes_text(subject, dims),
+                    "precision": precision, "kernel": assumed,
+                    "method": f"fake-tensor replay of the step on {device.value} kernels, "
+                              f"{subject.loss_name()}: nothing allocated; bytes are storage "
+                              f"sizes, without a caching allocator's rounding"})
     if json_out:
         data = report.to_dict()
         data["buffers"] = [dict(b) for b in data["buffers"]]
@@ -277,15 +308,78 @@ def params(
                     subject=subject.describe())
         if cfg is not None:
             data["config"] = cfg.to_dict()
+        if timeline is not None:
+            data["timeline"] = written
         print_json(data)
         return
     rows = display_rows(report, depth, expand)
-    render(report, rows, memory, how, stdout(),
+    console = stdout()
+    render(report, rows, memory, how, console,
            title=f"parameters: {cfg.kind}, d_model {cfg.d_model}" if cfg is not None
            else f"parameters: {subject.label}")
+    if timeline is not None:
+        console.print(f"wrote timeline: {timeline} (peak {written['peak_bytes']:,} B at event "
+                      f"{written['peak_event']:,} of {written['events']:,}, "
+                      f"{written['phase_at_peak']}; {written['peak_line']})", highlight=False)
 
 
 params.rules = RULES
+
+TIMELINE_SUFFIXES = (".json", ".html", ".png")
+
+
+def _check_timeline(path: Path | None) -> None:
+    """Before any work: the suffix, a writable place, and matplotlib for a PNG."""
+    from tfcli.cli.outputs import Output, check_outputs
+    from tfcli.errors import TfcliError
+
+    if path is None:
+        return
+    if path.suffix.lower() not in TIMELINE_SUFFIXES:
+        raise TfcliError(f"--timeline {str(path)!r}: the file name must end in .json, .html or "
+                         f".png")
+    check_outputs(Output(path, "--timeline"))
+    if path.suffix.lower() == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise TfcliError("--timeline FILE.png needs matplotlib: pip install "
+                             "'matplotlib>=3.7' (the 'plot' extra; from tfcli's clone: pip "
+                             "install '.[plot]'), or write .html or .json") from None
+
+
+def _write_timeline(path: Path, timeline, peak_line: int, about: dict) -> dict:
+    """Write the timeline atomically (an existing file survives a failure); what was written,
+    for the closing line or --json."""
+    from tfcli.cli.outputs import AtomicFile
+    from tfcli.errors import TfcliError
+    from tfcli.render import timeline as draw
+
+    info = draw.summary(timeline)
+    agrees = info["peak_bytes"] == peak_line
+    about["peak_line"] = ("equal to the peak line" if agrees else
+                          f"the peak line is {peak_line:,} B: "
+                          f"{peak_line - info['peak_bytes']:+,} B")
+    out = AtomicFile(path)
+    try:
+        suffix = path.suffix.lower()
+        if suffix == ".png":
+            draw.save_png(timeline, about, out.temp)
+        elif suffix == ".html":
+            draw.write_html(timeline, about, out.text())
+        else:
+            draw.write_json(timeline, about, out.text())
+        out.commit()
+    except OSError as error:
+        out.discard()
+        raise TfcliError(f"--timeline {str(path)!r}: {error.strerror or error}",
+                         exit_code=1) from None
+    except BaseException:
+        out.discard()
+        raise
+    return {"path": str(path), "peak_bytes": info["peak_bytes"], "peak_event": info["peak_event"],
+            "events": info["events"], "phase_at_peak": info["phase_at_peak"],
+            "peak_line": about["peak_line"], "by_category_at_peak": info["by_category_at_peak"]}
 
 
 def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
