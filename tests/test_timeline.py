@@ -267,3 +267,18 @@ def test_timeline_agrees_with_the_profilers_memory_timeline_of_a_real_step(which
                 if a.nbytes > SCALAR and a.category == "activation" and a.dtype == "bool")
     assert theirs.get("INPUT", 0) - ours.get("buffer", 0) - batch == masks
     assert ours.get("activation", 0) - masks == theirs.get("ACTIVATION", 0)
+
+
+def test_written_where_asked_when_the_model_changes_directory(cli, tmp_path, monkeypatch):
+    """The path is fixed before the user's model is imported, which may chdir (issue 25)."""
+    (tmp_path / "away").mkdir()
+    (tmp_path / "m.py").write_text(
+        "import os, torch\nos.chdir(os.path.abspath('away'))\n"
+        "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.p = torch.nn.Linear(4, 4)\n\n    def forward(self, x):\n"
+        "        return self.p(x)\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli("params", "--model", "m.py:M", "--input", "x=float32[B,L,4]", "--seq-len", "4",
+                 "--timeline", "t.html")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "t.html").is_file() and not (tmp_path / "away" / "t.html").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -208,7 +209,7 @@ def params(
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
     v = RULES.apply(locals())
-    _check_timeline(timeline)
+    timeline_file = _check_timeline(timeline)  # absolute: the model may change directory
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
@@ -287,7 +288,7 @@ def params(
                 recorder))
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
-                written = _write_timeline(timeline, recorder.timeline, memory[-1].bytes, {
+                written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {
                     "what": f"one training step (forward, loss, backward, "
                             f"{optimizer.value}.step(), zero_grad(set_to_none="
                             f"{not keep_grads}))",
@@ -328,13 +329,15 @@ params.rules = RULES
 TIMELINE_SUFFIXES = (".json", ".html", ".png")
 
 
-def _check_timeline(path: Path | None) -> None:
-    """Before any work: the suffix, a writable place, and matplotlib for a PNG."""
+def _check_timeline(path: Path | None) -> Path | None:
+    """Before any work (and before the user's model is imported, which may change the
+    working directory): the suffix, a writable place, matplotlib for a PNG; the absolute
+    path to write."""
     from tfcli.cli.outputs import Output, check_outputs
     from tfcli.errors import TfcliError
 
     if path is None:
-        return
+        return None
     if path.suffix.lower() not in TIMELINE_SUFFIXES:
         raise TfcliError(f"--timeline {str(path)!r}: the file name must end in .json, .html or "
                          f".png")
@@ -346,6 +349,7 @@ def _check_timeline(path: Path | None) -> None:
             raise TfcliError("--timeline FILE.png needs matplotlib: pip install "
                              "'matplotlib>=3.7' (the 'plot' extra; from tfcli's clone: pip "
                              "install '.[plot]'), or write .html or .json") from None
+    return Path(os.path.abspath(path))
 
 
 def _write_timeline(path: Path, timeline, peak_line: int, about: dict) -> dict:
