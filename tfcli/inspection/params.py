@@ -113,16 +113,6 @@ def _kind_of(module: nn.Module, name: str) -> str | None:
     return None
 
 
-def _kind(module_chain: list[nn.Module], parts: list[str]) -> str:
-    """Kind of a parameter, from the innermost module that says what it is."""
-    names = ["", *parts]
-    for module, name in zip(reversed(module_chain), reversed(names)):
-        kind = _kind_of(module, name)
-        if kind is not None:
-            return kind
-    return "output" if parts and parts[0] in OUTPUT_NAMES else "other"
-
-
 def _outermost(groups: list[list[str]]) -> list[list[str]]:
     """A reused module's children are reused with it: report the module, not each child."""
     def inside(paths: list[str], other: list[str]) -> bool:
@@ -158,16 +148,28 @@ def param_report(model: nn.Module, top_k: int | None = None) -> ParamReport:
     containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
     by_component: dict[str, int] = {}
     by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)
+    # Per module, from its parent's (named_modules lists parents first): the containers above
+    # it, and the kind of its parameters: that of the innermost module, itself or above, that
+    # says what it is (_kind_of); else "output" under an output head's name, else "other".
+    containers_above: dict[str, int] = {}
+    kind_above: dict[str, str | None] = {}
     for path, module in modules.items():
         prefix = f"{path}." if path else ""
         owned = owned_by.get(path, [])
-        direct = list(module.named_parameters(recurse=False, remove_duplicate=False))
+        direct = [(n, p) for n, p in module._parameters.items() if p is not None]
         own = [(n, p) for n, p in direct if owner[id(p)] == prefix + n]
         flags = {p.requires_grad for p in owned}
         own_flags = {p.requires_grad for _, p in own}
         parts = path.split(".") if path else []
-        chain = [modules[".".join(parts[:i])] for i in range(len(parts) + 1)]
-        n_containers = sum(isinstance(m, containers) for m in chain[1:-1])
+        parent = path.rpartition(".")[0]
+        if path:
+            containers_above[path] = containers_above[parent] + (
+                parent != "" and isinstance(modules[parent], containers))
+        else:
+            containers_above[path] = 0
+        kind_above[path] = _kind_of(module, parts[-1] if parts else "") or (
+            kind_above[parent] if path else None)
+        n_containers = containers_above[path]
         rows.append(LayerRow(
             path=path, type=type(module).__name__, depth=len(parts) - n_containers,
             params=sum(p.numel() for p in owned), own_params=sum(p.numel() for _, p in own),
@@ -178,8 +180,10 @@ def param_report(model: nn.Module, top_k: int | None = None) -> ParamReport:
             container=isinstance(module, containers),
             own_trainable=own_flags.pop() if len(own_flags) == 1 else (True if not own_flags
                                                                         else None)))
+        kind = kind_above[path] or ("output" if parts and parts[0] in OUTPUT_NAMES
+                                    else "other")
         for _, p in own:
-            by_kind[_kind(chain, parts)] += p.numel()
+            by_kind[kind] += p.numel()
             top = parts[0] if parts else "(model)"
             by_component[top] = by_component.get(top, 0) + p.numel()
 
