@@ -289,9 +289,10 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
         if csv_out is not None:
             csv_out.discard()
         raise
+    model_run = subject is not None and spec.what == "model"
     if json_out:
         print_json({"environment": env, "spec": vars(spec),
-                    "subject": subject.describe() if subject is not None else None,
+                    "subject": subject.describe() if model_run else None,
                     "interrupted": sweep.interrupted,
                     "notes": sweep.notes, "records": [r.to_dict() for r in records],
                     "fits": [vars(f) for f in fitted],
@@ -300,7 +301,7 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
                                        "attention counts half"})
     else:
         console = stdout()
-        if subject is not None:
+        if model_run:  # (an attention sweep is sized by its options, not by a model)
             console.print(f"model: {subject.label}", highlight=False)
         render(records, fitted, env, console, sweep.interrupted)
         for line in [*sweep.notes, *written]:
