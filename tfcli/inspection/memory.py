@@ -54,10 +54,16 @@ class _LiveStorages(TorchDispatchMode):
                 key = id(storage)
                 if key not in self._seen:  # a view of a live storage allocates nothing
                     self._seen.add(key)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
+                    nbytes = storage.nbytes()
+                    self.live += nbytes
                     self.peak = max(self.peak, self.live)
+                    self._allocated(key, nbytes, t, func)
+                    weakref.finalize(storage, self._free, key, nbytes)
         return out
+
+    def _allocated(self, key: int, nbytes: int, t: Tensor, func) -> None:
+        """A new storage ``key`` of ``nbytes``, made by ``func`` for ``t``: nothing to a
+        counter; a timeline recorder (tfcli.inspection.timeline) records it."""
 
     def phase(self, stage: str) -> None:
         """Where simulate_step is ("backward", "optimizer step", "zero_grad"): nothing to a

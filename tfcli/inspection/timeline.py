@@ -18,12 +18,10 @@ kept gradients, as the peak line counts them. The batch itself and an optimizer'
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from tfcli.inspection.memory import _LiveStorages
 
@@ -305,25 +303,17 @@ class _Recording(_LiveStorages):
         return f"({self._stage})", self._stage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._where = where = self._locate()
+        self._where = self._locate()
         if self._stage == "forward":  # the autograd node this op made, if any, is the last
-            self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, where)
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self._seen:  # a view of a live storage allocates nothing
-                    self._seen.add(key)
-                    nbytes = storage.nbytes()
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    if nbytes:
-                        self._live[key] = self._add(Allocation(
-                            nbytes, "temporary", where[1], where[0], str(func.overloadpacket),
-                            tuple(t.shape), str(t.dtype).removeprefix("torch.")))
-                    weakref.finalize(storage, self._free, key, nbytes)
-        return out
+            self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, self._where)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _allocated(self, key: int, nbytes: int, t: Tensor, func) -> None:
+        if nbytes:
+            module, phase = self._where
+            self._live[key] = self._add(Allocation(
+                nbytes, "temporary", phase, module, str(func.overloadpacket), tuple(t.shape),
+                str(t.dtype).removeprefix("torch.")))
 
     def _free(self, key: int, nbytes: int) -> None:
         super()._free(key, nbytes)
