@@ -247,6 +247,12 @@ def test_hf_masks_check_sees_eager_attention(cli, eager_only, name):
     assert result.exit_code == 0, result.stdout + result.stderr
     assert result.stdout.count("✓ attention ") == 2  # one per layer
     assert "PASSED" in result.stdout
+    # and a pattern the model does not keep is caught in the same weights: each attends
+    # causally beyond two positions (Gemma 2's and GPT-OSS's windows here are 4)
+    result = cli("masks", "--model", f"hf:{paths[name]}", "--causal", "input_ids", "--window",
+                 "input_ids=2", "--check")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    assert result.stdout.count("✗ attention ") == 2 and "FAILED" in result.stdout
 
 
 def test_attn_implementation_is_chosen_and_refused_where_absent(cli, hf_configs, eager_only,
