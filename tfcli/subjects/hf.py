@@ -181,7 +181,7 @@ class HFSubject(Subject):
         self.use_experts(self.experts_default)
         self.has_experts = False  # known once built
         self.model_class = self._choose_class(tf, class_name, path_text)
-        self.attention = self._choose_attention(attn_implementation, path_text)
+        self.attention = self._choose_attention(attn_implementation)
         self.label = f"hf:{path_text} ({self.model_class.__name__}, {self.attention} attention)"
         self.input_specs = input_specs or []
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
@@ -211,7 +211,7 @@ class HFSubject(Subject):
         raise TfcliError(f"--model hf:{path_text}: no Transformers model class for model_type "
                          f"{self.config.model_type!r}; name one with --hf-class")
 
-    def _choose_attention(self, requested: str, path_text: str) -> str:
+    def _choose_attention(self, requested: str) -> str:
         """The attention the model will run: ``auto`` is SDPA where the model class supports it,
         else its eager attention (what Transformers itself picks when nothing is asked);
         ``sdpa`` for a class without it is refused here, before anything is built. The

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import warnings
 
 from tfcli.errors import TfcliError
 
@@ -60,16 +59,15 @@ def deepest(config, layer_keys: tuple[str, ...]) -> int:
 def module_estimate(model_class, config, layer_keys: tuple[str, ...]) -> int | None:
     """Modules ``model_class(config)`` will have, from builds at 1 and 2 layers on meta; None
     when the config is shallow or a probe cannot be built (then nothing is estimated)."""
-    import torch
-
     layers = deepest(config, layer_keys)
     if layers <= PROBE_ABOVE:
         return None
+    from tfcli.subjects.base import building
+
     counts = []
     try:
         for probe_layers in (1, 2):
-            with warnings.catch_warnings(), torch.device("meta"):
-                warnings.simplefilter("ignore")
+            with building("meta", None):
                 model = model_class(_at_depth(config, layer_keys, probe_layers))
             counts.append(sum(1 for _ in model.modules()))
     except Exception:  # noqa: BLE001 - a config that only builds whole is not estimated
