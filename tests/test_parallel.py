@@ -625,11 +625,12 @@ def test_pipeline_buffers_need_a_length(cli):
     assert "pipeline send/recv" not in {line["name"] for line in json.loads(result.stdout)["lines"]}
 
 
-def test_params_parallel_refuses_a_model_it_cannot_split(cli, tmp_path):
+def test_params_parallel_refuses_a_model_it_cannot_split_with_tp(cli, tmp_path):
     (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(3, 4)\n")
-    result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2")
+    result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2,tp=2")
     assert result.exit_code == 2
-    assert "--parallel needs tfcli's own configuration" in result.stderr
+    assert "--parallel tp=2: tensor parallelism is not computed yet for --model" \
+        in result.stderr
 
 
 def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli, monkeypatch):
@@ -651,3 +652,197 @@ def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli,
     assert "--nproc 4 needs 1.29 GiB, 1 GiB available (test); each rank holds 330 MiB" \
         in result.stderr
     assert "use fewer ranks" in result.stderr
+
+
+# --- any subject: the plan traced from the built model (issue 20) ---------------------------
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=48, n=3):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.frozen = nn.Linear(d, d)  # outside the blocks, no gradients
+        self.frozen.requires_grad_(False)
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.frozen(x))
+
+
+build = Net
+'''
+TRACED_SIZES = [(2, 32), (1, 8)]  # (batch, length): activations large, then small
+TRACED_WORLDS = [2, 4, 8]
+
+
+def _traced_files(where) -> dict[str, list[str]]:
+    """A tiny Transformers Llama (hf:) and a user module (file.py:NAME), written to ``where``:
+    the --model arguments of each."""
+    import transformers
+
+    from pathlib import Path
+
+    where = Path(where)
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                             max_position_embeddings=64).to_json_file(where / "llama.json")
+    (where / "net.py").write_text(USER_MODULE)
+    return {"llama": ["--model", f"hf:{where / 'llama.json'}"],
+            "user": ["--model", f"{where / 'net.py'}:build", "--input", "x=float32[B,L,16]"]}
+
+
+def _subject(args: list[str]):
+    from tfcli.subjects import resolve_subject
+
+    inputs = [args[3]] if len(args) > 2 else None
+    return resolve_subject(model=args[1], inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def traced_fsdp():
+    return background.result("traced_fsdp")
+
+
+@background.job("traced_fsdp")
+def _traced_fsdp() -> dict:
+    """In one fresh process, FSDPMemTracker on the fake process group for models tfcli did not
+    build — a Transformers Llama and a user's module — sharded with FSDP2 ``fully_shard`` on
+    the units tfcli finds (the largest ModuleList's blocks) and the root, at N = 2, 4, 8."""
+    import atexit
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="tfcli-traced-")
+    atexit.register(shutil.rmtree, where, True)
+    files = _traced_files(where)
+    out = run_python(f"""
+        import json, warnings
+        warnings.simplefilter("ignore")  # FSDP2's advice about views returned by the root
+        from tfcli.parallel.measure import fsdp_fake_memory_subject
+        from tfcli.subjects import resolve_subject
+        out = {{}}
+        for name, args in {files!r}.items():
+            subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
+            for n in {TRACED_WORLDS!r}:
+                for b, s in {TRACED_SIZES!r}:
+                    out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
+                        subject, n, {{"B": b, "S": s, "T": s, "L": s}})
+        print(json.dumps(out))
+        """, timeout=240)
+    return {"files": files, "measured": out}
+
+
+@pytest.fixture(scope="module")
+def traced_models(traced_fsdp):
+    from tfcli.parallel.traced import TracedModel
+
+    return {name: TracedModel(_subject(args)) for name, args in traced_fsdp["files"].items()}
+
+
+@pytest.mark.parametrize("name", ["llama", "user"])
+@pytest.mark.parametrize("n", TRACED_WORLDS)
+@pytest.mark.parametrize("b,s", TRACED_SIZES)
+def test_traced_fsdp_plan_agrees_with_fsdp_mem_tracker(traced_fsdp, traced_models, name, n,
+                                                       b, s):
+    """Every line of the traced plan within 5 % of torch's FSDPMemTracker figure for it, and
+    the peak within 5 % of the tracker's peak. The tracker's per-category figures: after
+    backward (every sharded gradient present), at its peak, and the largest any FSDP module's
+    snapshot saw (buffers that live between hooks)."""
+    measured = traced_fsdp["measured"][f"{name}/{n}/{b}x{s}"]
+    after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
+    p = traced_models[name].plan(Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s})
+    lines = {line.name: line.bytes for line in p.lines}
+    pairs = [("weights", after["Sharded Param"]), ("gradients", after["Sharded Grad"]),
+             ("optimizer state", after["OptState"]),  # + Adam's step counters (4 B each)
+             ("unsharded parameters", largest["Unsharded Param"]),
+             ("all-gather buffer", peak["All Gather"]),
+             ("reduce-scatter buffer", largest["Reduce Scatter"]),
+             # what forward saved for backward, in the units and outside them
+             ("activations: layers", largest["Activation"] - lines["activations: outside "
+                                                                  "the units"])]
+    if name == "llama":
+        pairs.append(("buffers", after["Buffer"]))  # rotary inv_freq
+    for line, value in pairs:
+        assert lines[line] == pytest.approx(value, rel=0.05), (line, lines[line], value)
+    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.05), p.peak.moments
+    if name == "user":  # a frozen Linear outside the blocks: weights, no gradient
+        assert lines["gradients"] < lines["weights"]
+
+
+def test_traced_units_are_the_largest_module_lists_blocks(traced_models):
+    llama, user = traced_models["llama"].units, traced_models["user"].units
+    assert "model.layers: 3 × LlamaDecoderLayer" in llama.how
+    assert "blocks: 3 × Block" in user.how and len(user.modules) == 3
+    assert sum(g.numel for g in user.groups) + user.root.numel == traced_models["user"].numel
+
+
+def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
+    """The command line: the traced plan, --checkpointing, --device-memory and --fit batch
+    for an hf: model (the tracker's agreement is checked above)."""
+    args = ["params", *traced_fsdp["files"]["llama"], "--parallel", "dp=4,zero=3",
+            "--seq-len", "32", "--json"]
+    none, full = (json.loads(cli(*args, "--checkpointing", c).stdout) for c in ("none", "full"))
+    by = {line["name"]: line["bytes"] for line in none["lines"]}
+    assert none["world_size"] == 4 and by["weights"] < by["unsharded parameters"] * 4
+    kept = {line["name"]: line["bytes"] for line in full["lines"]}
+    assert kept["activations: layers"] < by["activations: layers"] / 4
+    assert "activations: recomputed layer" in kept
+    fitted = cli(*args, "--device-memory", "8MB", "--fit", "batch")
+    data = json.loads(fitted.stdout)
+    best = data["fit"]["largest"]
+    assert best and data["device"]["fits"]
+    over = json.loads(cli(*args, "--device-memory", "8MB", "--batch-size", str(best + 1)).stdout)
+    assert not over["device"]["fits"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--parallel", "dp=2,tp=2"], "--parallel tp=2: tensor parallelism is not computed yet "
+                                  "for --model"),
+    (["--parallel", "pp=2"], "pipeline parallelism is not computed yet for --model"),
+    (["--parallel", "dp=2,zero=3", "--wrap", "Blok"], "--wrap 'Blok': the model has no module "
+                                                      "of that class (did you mean 'Block'?)"),
+    (["--wrap", "Block"], "--wrap chooses the FSDP units of the per-rank plan"),
+    (["--parallel", "dp=2", "--micro-batches", "2", "--seq-len", "8"],
+     "--micro-batches 2: micro-batches in flight matter to pipeline stages, which are not"),
+])
+def test_params_parallel_for_a_module_bad_input_is_one_line(cli, tmp_path, extra, message):
+    (tmp_path / "net.py").write_text(USER_MODULE)
+    result = cli("params", "--model", f"{tmp_path}/net.py:build", "--input",
+                 "x=float32[B,L,16]", *extra)
+    assert result.exit_code == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_wrap_chooses_another_class(cli, tmp_path):
+    (tmp_path / "net.py").write_text(USER_MODULE)
+    args = ["params", "--model", f"{tmp_path}/net.py:build", "--input", "x=float32[B,L,16]",
+            "--parallel", "dp=2,zero=3", "--json"]
+    blocks = json.loads(cli(*args).stdout)
+    linear = json.loads(cli(*args, "--wrap", "Linear").stdout)
+    assert "blocks: 3 × Block" in blocks["conditions"]["wrap_units"]
+    assert "--wrap Linear: 9 module(s)" in linear["conditions"]["wrap_units"]
+    unit = lambda d: next(l["bytes"] for l in d["lines"] if l["name"] == "all-gather buffer")
+    assert unit(linear) < unit(blocks)  # a Linear is smaller than a block
+
+
+def test_wrap_is_for_a_model(cli):
+    result = cli("params", "-p", "tiny", "--parallel", "dp=2", "--wrap", "Block")
+    assert result.exit_code == 2 and "--wrap applies to --model" in result.stderr

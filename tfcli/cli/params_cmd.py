@@ -13,7 +13,7 @@ from tfcli.cli.options import (AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, 
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules, own_model
+from tfcli.cli.rules import Needs, Rule, Rules, any_model, own_model
 from tfcli.guard import guard_build
 
 
@@ -100,7 +100,10 @@ RULES = Rules(
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
     Rule("inference", OWN),
-    Rule("parallel", OWN),
+    Rule("wrap", any_model("{option} applies to --model; tfcli's own model wraps each of its "
+                           "layers"),
+         Needs(lambda v: v.per_rank is not None, "only with --parallel",
+               "chooses the FSDP units of the per-rank plan: add --parallel dp=N,zero=3")),
     Rule("device", STEP),
     Rule("attention_kernel", STEP),
     Rule("keep_grads", STEP),
@@ -200,6 +203,10 @@ def params(
     fit_: Annotated[Optional[Fit], typer.Option(
         "--fit", show_default=False,
         help="Search the largest --batch-size or --seq-len that fits --device-memory.")] = None,
+    wrap: Annotated[Optional[str], typer.Option(
+        "--wrap", metavar="CLASS", show_default=False,
+        help="FSDP wrap units for a --model's per-rank plan: every outermost module of this "
+             "class (default: the blocks of the model's largest ModuleList).")] = None,
     timeline: Annotated[Optional[Path], typer.Option(
         "--timeline", metavar="FILE", show_default=False,
         help="Draw the replayed training step's memory over time, by category, with its "
@@ -246,7 +253,8 @@ def params(
         return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
                                checkpointing.value if checkpointing else None, dtype.value, mixed,
                                optimizer.value, kernel, device_memory,
-                               fit_.value if fit_ else None, inference, json_out)
+                               fit_.value if fit_ else None, inference, json_out, subject,
+                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

@@ -81,6 +81,8 @@ class _SavedTensors:
         self.by_storage: dict[int, tuple[int, tuple | None]] = {}
         self._existing = {id(t.untyped_storage()) for t in existing}
         self.ops: list = []  # what the model did; an op is known as attention only later
+        self.owner: int | None = None  # the unit running now (see simulate_training_step)
+        self.owners: dict[int, int] = {}  # id(storage) -> the unit that saved it first
 
     def on_op(self, op) -> None:
         if op.shape and len(op.shape) >= 3 and op.kind in ("matmul", "sdpa"):
@@ -91,26 +93,60 @@ class _SavedTensors:
         if id(storage) not in self._existing and id(storage) not in self.by_storage:
             tail = (tuple(t.shape[-2:]), t.numel()) if t.dim() >= 3 else None
             self.by_storage[id(storage)] = (storage.nbytes(), tail)
+            if self.owner is not None:
+                self.owners[id(storage)] = self.owner
         return t
 
-    def sums(self) -> dict[str, int]:
-        """Saved bytes by kind; classified once the forward is over, since an op is seen only
-        after it has saved its tensors."""
+    def sums(self, unit: int | None = None) -> dict[str, int]:
+        """Saved bytes by kind (of unit ``unit`` only, when given); classified once the
+        forward is over, since an op is seen only after it has saved its tensors."""
         # (T, S) and the element count of every score matrix: the whole shape, so that a
         # [B, L, d_model] tensor with L = d_model is not taken for one
         scores = {(tuple(op.shape[-2:]), math.prod(op.shape)) for op in self.ops
                   if op.attention and op.kind != "weights·V"}
         out: dict[str, int] = {}
-        for nbytes, tail in self.by_storage.values():
+        for key, (nbytes, tail) in self.by_storage.items():
+            if unit is not None and self.owners.get(key) != unit:
+                continue
             kind = "attention matrices" if tail in scores else "other"
             out[kind] = out.get(kind, 0) + nbytes
         return out
+
+
+def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int]) -> list:
+    """Hooks that tell ``saved`` which unit runs, and add to ``inputs[i]`` the bytes of the
+    tensors unit i is called with that no earlier unit was called with (what full activation
+    checkpointing keeps of it)."""
+    seen: set[int] = set()
+
+    def enter(index: int):
+        def hook(module, args, kwargs):
+            saved.owner = index
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, Tensor) and t.is_floating_point():
+                    key = id(t.untyped_storage())
+                    if key not in seen:
+                        seen.add(key)
+                        inputs[index] += t.untyped_storage().nbytes()
+        return hook
+
+    def leave(module, args, output):
+        saved.owner = None
+
+    handles = []
+    for i, unit in enumerate(units):
+        handles.append(unit.register_forward_pre_hook(enter(i), with_kwargs=True))
+        handles.append(unit.register_forward_hook(leave))
+    return handles
 
 
 @dataclass
 class ActivationEstimate:
     peak_bytes: int  # live activations at the worst moment of forward+backward
     saved_bytes: dict[str, int] = field(default_factory=dict)  # saved for backward, by kind
+    # with units: what each saved for backward (by kind), and the bytes it was called with
+    unit_saved: list[dict[str, int]] = field(default_factory=list)
+    unit_inputs: list[int] = field(default_factory=list)
 
     @property
     def working_bytes(self) -> int:
@@ -122,10 +158,13 @@ def simulate_training_step(build: Callable[[], nn.Module],
                            make_inputs: Callable[[nn.Module], object],
                            loss: Callable[[object], Tensor],
                            autocast_dtype: torch.dtype | None = None,
-                           device: str = "cpu", kernel: str = "auto") -> ActivationEstimate:
+                           device: str = "cpu", kernel: str = "auto",
+                           units: Callable[[nn.Module], list[nn.Module]] | None = None
+                           ) -> ActivationEstimate:
     """Peak activation bytes of ``loss(model(inputs)).backward()`` with gradients already
     allocated (they are accounted for separately), computed on fake tensors. ``make_inputs``
-    returns a dict of keyword arguments or an ``Inputs``."""
+    returns a dict of keyword arguments or an ``Inputs``. ``units`` (model -> modules) also
+    splits the saved bytes by the unit whose forward saved them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.inspection.ops import OpObserver
@@ -149,15 +188,23 @@ def simulate_training_step(build: Callable[[], nn.Module],
         del existing
         amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
+        blocks = units(model) if units is not None else []
+        unit_inputs = [0] * len(blocks)
+        handles = _unit_hooks(blocks, saved, unit_inputs)
         with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            with running(model, during=REPLAY), amp, attention_kernel(kernel), \
-                    OpObserver(saved.on_op):
-                out = loss(inputs(model))
+            try:
+                with running(model, during=REPLAY), amp, attention_kernel(kernel), \
+                        OpObserver(saved.on_op):
+                    out = loss(inputs(model))
+            finally:
+                for handle in handles:
+                    handle.remove()
             sums = saved.sums()
+            unit_saved = [saved.sums(i) for i in range(len(blocks))]
             with running(model, "backward pass", REPLAY):
                 out.backward()
             del out
-    return ActivationEstimate(live.peak, sums)
+    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs)
 
 
 # --- the attention kernel a replay assumes -----------------------------------------------------
@@ -391,14 +438,15 @@ def _sizes_text(subject, sizes: dict[str, int]) -> str:
 
 
 def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
-                         mixed: str | None = None,
-                         kernel: str = "auto") -> tuple[ActivationEstimate, str]:
+                         mixed: str | None = None, kernel: str = "auto",
+                         units: Callable[[nn.Module], list[nn.Module]] | None = None
+                         ) -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
-    and a line saying how it was found."""
+    and a line saying how it was found; ``units``: see simulate_training_step."""
     build, make_inputs = _replay_args(subject, sizes, dtype)
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
-                                      kernel=kernel)
+                                      kernel=kernel, units=units)
     how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
            f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
            + "".join(f"; {line}" for line in subject.assumptions()))

@@ -48,24 +48,46 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
     ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...).
     ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
     FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole)."""
+    from tfcli.model.transformer import build_model
+    from tfcli.subjects.own import OwnSubject
+
+    def layers(model):
+        return [layer for stack in (model.encoder, model.decoder) if stack is not None
+                for layer in stack.layers]
+
+    return _tracked(OwnSubject(cfg), lambda: build_model(cfg, "cpu"), layers, world,
+                    {"B": batch, "S": seq_len, "T": seq_len}, reshard_after_forward)
+
+
+def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: str | None = None,
+                             reshard_after_forward: bool = True) -> dict[str, dict]:
+    """The same for any subject (a user's module, a Transformers model): built as the subject
+    builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
+    largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
+    ``sizes`` and its loss."""
+    from tfcli.parallel.units import find_units
+
+    return _tracked(subject, lambda: subject.build("cpu"),
+                    lambda model: find_units(model, wrap).modules, world, sizes,
+                    reshard_after_forward)
+
+
+def _tracked(subject, build, units, world: int, sizes: dict[str, int],
+             reshard_after_forward: bool) -> dict[str, dict]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
-    from tfcli.model.transformer import build_model
-    from tfcli.subjects.own import OwnSubject
-
     with _fake_world(world) as mesh:
-        subject = OwnSubject(cfg)
         with FakeTensorMode():
-            model = build_model(cfg, "cpu")
-            for stack in (model.encoder, model.decoder):
-                for layer in (stack.layers if stack is not None else []):
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            model = build()
+            for unit in units(model):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-            inputs = subject.make_inputs(model, {"B": batch, "S": seq_len, "T": seq_len}, "cpu")
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                         lr=1e-4)
+            inputs = subject.make_inputs(model, sizes, "cpu")
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(inputs.tensors()))
             snapshots = {}
@@ -81,6 +103,16 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
                     if step == 0:
                         tracker.reset_mod_stats()
             snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
+            # each category's largest figure in any FSDP module's snapshots of the second
+            # step (before and after each forward and backward hook, and each module's peak):
+            # a buffer that lives between the hooks is seen even where the peak is elsewhere
+            largest: dict[str, int] = {}
+            for stats in tracker.memory_tracking.values():
+                for snaps in getattr(stats, "snapshots", {}).values():
+                    for snap in snaps:
+                        for name, value in _by_name(snap).items():
+                            largest[name] = max(largest.get(name, 0), value)
+            snapshots["largest"] = largest
         return snapshots
 
 

@@ -19,17 +19,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom; with
     ``fit_what`` the largest batch or length that fits and the plan there."""
     par = parse_parallel(parallel) if parallel is not None else Parallel()
-    if fit_what is not None and fit_what not in FIT:
-        raise TfcliError(f"--fit {fit_what!r}: allowed: {', '.join(FIT)}")
-    if fit_what is not None and device_memory is None:
-        raise TfcliError("--fit needs --device-memory (e.g. 80GiB or H100) to fit into")
-    if fit_what == "batch" and seq_len is None:
-        raise TfcliError("--fit batch needs --seq-len: the length whose batch is searched")
-    if micro_batches is not None and par.pp == 1:
-        raise TfcliError(f"--micro-batches {micro_batches}: micro-batches in flight matter to "
-                         f"pipeline stages; add pp=P to --parallel (with pp=1 one is in flight)")
-    if dtype == "int8" and not mixed:
-        raise TfcliError("--parallel with --dtype int8: training needs a floating dtype")
+    check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
     limit = cfg.max_seq_len if cfg.positional != "none" else 1 << 20
 
@@ -79,6 +69,23 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
     return data
 
 
+def check_request(par: Parallel, fit_what: str | None, device_memory: str | None,
+                  seq_len: int | None, micro_batches: int | None, dtype: str,
+                  mixed: str | None) -> None:
+    """The per-rank options that must go together, for any subject."""
+    if fit_what is not None and fit_what not in FIT:
+        raise TfcliError(f"--fit {fit_what!r}: allowed: {', '.join(FIT)}")
+    if fit_what is not None and device_memory is None:
+        raise TfcliError("--fit needs --device-memory (e.g. 80GiB or H100) to fit into")
+    if fit_what == "batch" and seq_len is None:
+        raise TfcliError("--fit batch needs --seq-len: the length whose batch is searched")
+    if micro_batches is not None and par.pp == 1:
+        raise TfcliError(f"--micro-batches {micro_batches}: micro-batches in flight matter to "
+                         f"pipeline stages; add pp=P to --parallel (with pp=1 one is in flight)")
+    if dtype == "int8" and not mixed:
+        raise TfcliError("--parallel with --dtype int8: training needs a floating dtype")
+
+
 def render(data: dict, console) -> None:
     from rich.table import Table
 
@@ -111,6 +118,9 @@ def render(data: dict, console) -> None:
         console.print(check)
     notes = [f"model states: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
              f"data-parallel rank(s)"]
+    if cond.get("model_states_from"):  # a --model, traced from its built module tree
+        notes.append(f"parameters: {cond['model_states_from']}; FSDP units: "
+                     f"{cond['wrap_units']}")
     if data["peak"]:
         notes.append(f"peak: {data['peak']['how']}")
     if cond["activations"]:
@@ -144,18 +154,28 @@ def render(data: dict, console) -> None:
 def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_len: int | None,
                     micro_batches: int | None, checkpointing: str | None, dtype: str,
                     mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
-                    fit_what: str | None, inference: bool, json_out: bool) -> None:
-    """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print."""
-    if cfg is None:
-        raise TfcliError("--parallel needs tfcli's own configuration (--preset/--config/--set): "
-                         "tensor and pipeline parallelism split its matrices and layers")
+                    fit_what: str | None, inference: bool, json_out: bool, subject=None,
+                    sizes_at=None, wrap: str | None = None) -> None:
+    """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
+    Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
+    sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
 
-    data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
-                    dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory, fit_what)
-    data["config"] = cfg.to_dict()
+    if cfg is None:  # a user's module or a Transformers model: traced from the built model
+        from tfcli.parallel import traced
+
+        data = traced.per_rank(subject, parallel, batch, seq_len, micro_batches, sizes_at,
+                               checkpointing or "none", dtype, mixed,
+                               OPTIMIZER_STATES[optimizer], kernel, device_memory, fit_what,
+                               wrap)
+        data["subject"] = subject.describe()
+    else:
+        data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
+                        dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
+                        fit_what)
+        data["config"] = cfg.to_dict()
     if json_out:
         from tfcli.cli.process import print_json
 

@@ -1,0 +1,271 @@
+"""Per-rank training memory under data parallelism (DDP, ZeRO-1/2/3, FSDP) for any subject —
+a user's ``nn.Module``, a Transformers model — from its built module tree and a fake-tensor
+replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.plan`'s).
+
+- Model states: the parameters the model really has (tied weights once, frozen ones without
+  gradients or optimizer state, as the single-device table counts them); sharded lines split
+  each parameter's first dimension N ways, as FSDP2 shards (ZeRO's flat buffers give Ψ/N,
+  within a row per parameter).
+- Wrap units (:mod:`tfcli.parallel.units`): FSDP gathers the root unit for the whole step and
+  one layer unit at a time, with the next one prefetched; backward reduce-scatters one unit's
+  gradients.
+- Activations: one replay of the whole model at the rank's batch
+  (:func:`tfcli.inspection.memory.estimate_activations`), each saved tensor attributed to the
+  unit whose forward saved it; the rest (embeddings, head, loss, backward's working set) is the
+  replay's peak less the units' saved bytes. Checkpointing is per unit: ``full`` keeps each
+  unit's input and recomputes one unit at a time; ``selective`` drops the attention matrices.
+
+Tensor, pipeline and context parallelism split matrices, layers and sequences that only tfcli's
+own configuration describes so far: refused here in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tfcli.errors import TfcliError
+from tfcli.parallel.layout import Line, Parallel
+from tfcli.parallel.plan import CHECKPOINTING, Plan, StateBytes, state_bytes, step_peak
+from tfcli.parallel.units import Units, find_units, shard_numel
+
+
+WORKING = "activations: backward working set"
+
+
+def refuse_model_splits(par: Parallel) -> None:
+    """Tensor, pipeline and context parallelism are not computed for --model yet."""
+    for key, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
+        value = getattr(par, key)
+        if value > 1:
+            raise TfcliError(f"--parallel {key}={value}: {what} parallelism is not computed yet "
+                             f"for --model (data parallel dp=N,zero=0-3 is); drop {key}, or "
+                             f"use tfcli's own configuration (--preset/--config/--set)")
+
+
+class TracedModel:
+    """A subject's model built once on meta (its units and parameter groups), and plans of it
+    at any batch and length, each from a replay (cached: --fit asks again)."""
+
+    def __init__(self, subject, wrap: str | None = None) -> None:
+        self.subject, self.wrap = subject, wrap
+        device, abstract = subject.abstract_run("meta")
+        with abstract:
+            model = subject.build(device)
+            self.units: Units = find_units(model, wrap)
+            self.buffer_numel = sum(b.numel() for b in model.buffers())
+        groups = [*self.units.groups, self.units.root]
+        self.numel = sum(g.numel for g in groups)
+        self.trainable = sum(g.trainable for g in groups)
+        self.shapes = [s for g in groups for s in g.shapes]
+        self.trainable_shapes = [s for g in groups for s in g.trainable_shapes]
+
+    def _units_of(self, model):
+        return find_units(model, self.wrap).modules
+
+    @functools.lru_cache(maxsize=64)
+    def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str):
+        from tfcli.inspection.memory import estimate_activations
+
+        return estimate_activations(self.subject, dict(sizes), dtype, mixed, kernel,
+                                    units=self._units_of)
+
+    def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
+             dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
+             kernel: str = "auto") -> Plan:
+        """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
+        the activation lines, None only model states and buffers."""
+        refuse_model_splits(par)
+        if checkpointing not in CHECKPOINTING:
+            raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
+                             f"{', '.join(CHECKPOINTING)}")
+        sb = state_bytes(dtype, mixed, optimizer_states)
+        n, zero = par.shard, par.zero
+        lines = self._state_lines(n, zero, sb)
+        if self.buffer_numel:
+            lines.append(Line("buffers", self.buffer_numel * sb.weights,
+                              f"{self.buffer_numel:,} elements × {sb.weights} B, on every rank "
+                              f"(FSDP and ZeRO shard parameters, not buffers)"))
+        lines += self._communication_lines(n, zero, sb)
+        peak, how, per_unit = None, None, 0
+        if sizes is not None:
+            estimate, how = self.replay(tuple(sorted(sizes.items())), dtype, mixed, kernel)
+            act, per_unit = self._activation_lines(estimate, checkpointing)
+            lines += act
+            peak = self._peak(lines, per_unit, n, zero, sb)
+        conditions = {"micro_batch": sizes.get("B") if sizes else None,
+                      "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
+                      "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
+                      "mixed_precision": mixed, "convention": "tfcli",
+                      "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
+                      "activations": how, "wrap_units": self.units.how,
+                      "model_states_from": f"the built model: {self.numel:,} parameters "
+                                           f"({self.trainable:,} trainable)"}
+        total = sum(line.bytes for line in lines)
+        return Plan(par, 0, lines, [], [total], conditions, peak)
+
+    # --- the lines ------------------------------------------------------------------------
+
+    def _state_lines(self, n: int, zero: int, sb: StateBytes) -> list[Line]:
+        def share(what: str, per: int, numel: int, shapes, sharded: bool, of: str) -> Line:
+            if sharded and n > 1:
+                local = shard_numel(shapes, n)
+                return Line(what, local * per,
+                            f"{per} B × {local:,} of {numel:,} {of} (ZeRO-{zero}: each "
+                            f"parameter's rows split {n} ways, as FSDP2 shards)")
+            return Line(what, numel * per, f"{per} B × {numel:,} {of}"
+                        + (" (replicated)" if n > 1 else ""))
+
+        frozen = self.numel - self.trainable
+        weights = share("weights", sb.weights, self.numel, self.shapes, zero >= 3, "parameters")
+        if frozen:
+            weights.how += f"; {frozen:,} frozen: no gradients or optimizer state"
+        return [weights,
+                share("gradients", sb.grads, self.trainable, self.trainable_shapes, zero >= 2,
+                      "trainable"),
+                share("optimizer state", sb.optimizer, self.trainable, self.trainable_shapes,
+                      zero >= 1, "trainable")]
+
+    def _communication_lines(self, n: int, zero: int, sb: StateBytes) -> list[Line]:
+        units, out = self.units, []
+        largest = units.largest
+        unit = largest.numel if largest else 0
+        if zero == 3:
+            out.append(Line("unsharded parameters", (units.root.numel + unit) * sb.weights,
+                            f"FSDP2: the root unit ({units.root.numel:,}, kept gathered from "
+                            f"forward to backward) + the largest layer unit ({unit:,}) × "
+                            f"{sb.weights} B; units: {units.how}", "communication"))
+        if zero == 3 and n > 1 and largest:
+            out += [
+                Line("all-gather buffer", unit * sb.weights,
+                     f"the next layer unit gathered ahead (prefetch): {unit:,} × "
+                     f"{sb.weights} B", "communication"),
+                Line("reduce-scatter buffer", largest.trainable * sb.grads,
+                     f"one layer unit's unsharded gradients: {largest.trainable:,} × "
+                     f"{sb.grads} B", "communication"),
+            ]
+        elif zero == 0 and n > 1:
+            out.append(Line("DDP gradient buckets", self.trainable * sb.grads,
+                            "a second copy of the gradients in all-reduce buckets (DDP's "
+                            "default; 0 with gradient_as_bucket_view=True)", "communication"))
+        return out
+
+    def _activation_lines(self, estimate, checkpointing: str) -> tuple[list[Line], int]:
+        """The activation lines, and one unit's kept bytes (for the peak's moments)."""
+        saved = [sum(kinds.values()) for kinds in estimate.unit_saved]
+        in_units = sum(saved)
+        count = len(saved)
+        if checkpointing == "full":
+            kept = estimate.unit_inputs
+            how = "each unit's input (the tensors it is called with), kept; the rest recomputed"
+        elif checkpointing == "selective":
+            kept = [s - kinds.get("attention matrices", 0)
+                    for s, kinds in zip(saved, estimate.unit_saved)]
+            how = "what each unit saved for backward, less its attention matrices (recomputed)"
+        else:
+            kept = saved
+            how = "what each unit saved for backward in the replay"
+        out = [Line("activations: layers", sum(kept),
+                    f"{count} unit(s): {how}" + (f"; largest {max(kept):,} B" if kept else ""),
+                    "activations")]
+        if checkpointing == "full" and saved:
+            out.append(Line("activations: recomputed layer", max(saved),
+                            "the largest unit's activations while it is recomputed for "
+                            "backward", "activations"))
+        outside = sum(estimate.saved_bytes.values()) - in_units
+        out.append(Line("activations: outside the units", outside,
+                        "what the modules outside the units (embeddings, head, loss) saved "
+                        "for backward in the replay", "activations"))
+        out.append(Line(WORKING, max(estimate.peak_bytes - in_units - outside, 0),
+                        "the replay's peak less every saved tensor: gradients in flight where "
+                        "backward starts (the loss's and the head's)", "activations"))
+        return out, max(kept, default=0)
+
+    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: StateBytes):
+        """The step's moments (tfcli.parallel.plan.step_peak), with FSDP's moment as a traced
+        model has it: the first unit backward reaches, just reduced — its activations and
+        the loss's working set gone; the unit's unsharded gradients, their reduce-scatter
+        copy and its sharded result."""
+        from tfcli.parallel.plan import Peak
+
+        peak = step_peak(lines, per_unit, False)
+        largest = self.units.largest
+        if zero != 3 or largest is None:
+            return peak
+        by = {line.name: line.bytes for line in lines}
+        unit_grads = largest.trainable * sb.grads
+        inside = (peak.moments["backward start"] - min(per_unit, by["activations: layers"])
+                  - by[WORKING] + unit_grads
+                  + by.get("reduce-scatter buffer", 0)
+                  + shard_numel(largest.trainable_shapes, n) * sb.grads)
+        moments = {**peak.moments, "inside backward (FSDP)": inside}
+        moment = max(moments, key=moments.__getitem__)
+        how = (peak.how + "; inside backward, FSDP (backward start less one unit's "
+               "activations and the working set, plus one unit's unsharded gradients, their reduce-scatter copy and sharded result)")
+        return Peak(moments[moment], moment, moments, how)
+
+
+def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
+             micro_batches: int | None, sizes_at,
+             checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
+             kernel: str, device_memory: str | None, fit_what: str | None,
+             wrap: str | None) -> dict:
+    """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
+    a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
+    length that fits. ``sizes_at(b, s)`` gives every letter's size."""
+    from tfcli.parallel.fit import fit, parse_device_memory
+    from tfcli.parallel.layout import parse_parallel
+    from tfcli.parallel.report import FIT, check_request
+
+    par = parse_parallel(parallel) if parallel is not None else Parallel()
+    refuse_model_splits(par)
+    if micro_batches is not None:
+        raise TfcliError(f"--micro-batches {micro_batches}: micro-batches in flight matter to "
+                         f"pipeline stages, which are not computed yet for --model")
+    check_request(par, fit_what, device_memory, seq_len, None, dtype, mixed)
+    if fit_what == "seq-len" and not subject.length_dims():
+        raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
+                         "sizes are fixed); use --fit batch")
+    capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
+    traced = TracedModel(subject, wrap)
+    positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
+    limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
+
+    def at(b: int, s: int | None) -> Plan:
+        return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
+                           dtype, mixed, optimizer_states, kernel)
+
+    found = bound = None
+    step = 1
+    if fit_what == "batch":
+        bound = 1 << 16
+        found = fit(lambda b: at(b, seq_len).need, capacity, 1, bound)
+        batch = found or 1
+    elif fit_what == "seq-len":
+        step = 64 if limit >= 256 else 1
+        bound = limit // step * step
+        best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
+        found = best * step if best else None
+        seq_len = found or step
+    result = at(batch, seq_len)
+    data = result.to_dict()
+    data["world_size"] = par.world
+    data["conditions"]["seq_len"] = seq_len
+    if capacity is not None:
+        data["device"] = {"name": device, "bytes": capacity,
+                          "headroom_bytes": capacity - result.need,
+                          "compared": "peak" if result.peak else "total",
+                          "fits": result.need <= capacity}
+    if fit_what is not None:
+        assert fit_what in FIT
+        data["fit"] = {"what": fit_what, "largest": found, "step": step, "bound": bound,
+                       "at_bound": found == bound,
+                       "bound_is": ("the largest batch searched" if fit_what == "batch" else
+                                    "the configuration's max_position_embeddings"
+                                    if limit == positions else
+                                    "the plan's limit for a model without a known length "
+                                    "limit"),
+                       "searched": "the per-rank peak of a step, assumed to grow with "
+                                   f"{fit_what}: extrapolated, then galloping and bisection"
+                                   + (f", lengths in steps of {step}" if fit_what == "seq-len"
+                                      else "")}
+    return data
