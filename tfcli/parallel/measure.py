@@ -69,11 +69,13 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: s
 
     return _tracked(subject, lambda: subject.build("cpu"),
                     lambda model: find_units(model, wrap).modules, world, sizes,
-                    reshard_after_forward)
+                    reshard_after_forward, root_default=True)
 
 
 def _tracked(subject, build, units, world: int, sizes: dict[str, int],
-             reshard_after_forward: bool) -> dict[str, dict]:
+             reshard_after_forward: bool, root_default: bool = False) -> dict[str, dict]:
+    """``root_default``: the root unit as fully_shard leaves it by default, gathered from
+    forward to backward (else it is resharded like the layers)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -84,7 +86,8 @@ def _tracked(subject, build, units, world: int, sizes: dict[str, int],
             model = build()
             for unit in units(model):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=None if root_default and
+                        reshard_after_forward else reshard_after_forward)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                          lr=1e-4)
             inputs = subject.make_inputs(model, sizes, "cpu")

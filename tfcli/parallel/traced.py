@@ -181,26 +181,47 @@ class TracedModel:
         return out, max(kept, default=0)
 
     def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: StateBytes):
-        """The step's moments (tfcli.parallel.plan.step_peak), with FSDP's moment as a traced
-        model has it: the first unit backward reaches, just reduced — its activations and
-        the loss's working set gone; the unit's unsharded gradients, their reduce-scatter
-        copy and its sharded result."""
+        """The step's moments. Without FSDP, tfcli.parallel.plan.step_peak's. With it
+        (FSDP2's default: the root gathered from forward to backward, the layer units
+        resharded after their forward), the loss's backward runs with the root alone
+        gathered; then each unit is gathered with the next one prefetched, the head's
+        activations gone and gradients in flight (taken as the replay's working set); a
+        unit's backward ends with its unsharded gradients, their
+        reduce-scatter copy and its sharded result alive, its activations gone."""
         from tfcli.parallel.plan import Peak
 
         peak = step_peak(lines, per_unit, False)
         largest = self.units.largest
-        if zero != 3 or largest is None:
+        if zero != 3:
             return peak
         by = {line.name: line.bytes for line in lines}
-        unit_grads = largest.trainable * sb.grads
-        inside = (peak.moments["backward start"] - min(per_unit, by["activations: layers"])
-                  - by[WORKING] + unit_grads
-                  + by.get("reduce-scatter buffer", 0)
-                  + shard_numel(largest.trainable_shapes, n) * sb.grads)
-        moments = {**peak.moments, "inside backward (FSDP)": inside}
+        states = sum(line.bytes for line in lines if line.kind == "model states"
+                     and line.name != "gradients")
+        activations = by["activations: layers"] + by["activations: outside the units"]
+        extra = by.get("activations: recomputed layer", 0)
+        root = self.units.root.numel * sb.weights
+        gathered = by["unsharded parameters"] + by.get("all-gather buffer", 0)
+        unit_grads = largest.trainable * sb.grads if largest else 0
+        moments = {
+            "loss backward": states + root + activations + by[WORKING],
+            "units' backward start": states + gathered + by["activations: layers"] + extra
+                                     + by[WORKING],
+            "inside backward (FSDP)": (states + gathered + activations + extra
+                                       - min(per_unit, by["activations: layers"]) + unit_grads
+                                       + by.get("reduce-scatter buffer", 0)
+                                       + (shard_numel(largest.trainable_shapes, n) * sb.grads
+                                          if largest else 0)),
+            "backward end": peak.moments["backward end"]}
         moment = max(moments, key=moments.__getitem__)
-        how = (peak.how + "; inside backward, FSDP (backward start less one unit's "
-               "activations and the working set, plus one unit's unsharded gradients, their reduce-scatter copy and sharded result)")
+        how = ("the largest of these moments of a step with zero_grad(set_to_none=True), "
+               "FSDP2's default resharding (the root gathered from forward to backward, the "
+               "layer units resharded after forward): the loss's backward (model states "
+               "but the gradients, the root gathered, every activation and the working set); "
+               "the units' backward start (the head's activations gone, the working set "
+               "still in flight; the root, one unit and the next, prefetched, gathered); inside backward (that less one unit's "
+               "activations, plus its unsharded gradients, their reduce-scatter copy and "
+               "sharded result); backward end (every line but the all-gather buffer, one "
+               "unit's activations left)")
         return Peak(moments[moment], moment, moments, how)
 
 
