@@ -99,7 +99,6 @@ RULES = Rules(
         "only with --dtype fp32",
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
-    Rule("inference", OWN),
     Rule("wrap", any_model("{option} applies to --model; tfcli's own model wraps each of its "
                            "layers"),
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
@@ -180,7 +179,7 @@ def params(
     inference: Annotated[bool, typer.Option(
         "--inference", help="Inference memory instead of training: weights, KV cache, and "
                             "the working sets of a prefill of --seq-len tokens and of one "
-                            "decode step (tfcli's own model).")] = False,
+                            "decode step (for --model: the KV cache measured).")] = False,
     kv_dtype: Annotated[Optional[DType], typer.Option(
         show_default=False, help="KV cache dtype with --inference (default: --dtype).")] = None,
     build_on: Annotated[BuildDevice, typer.Option(

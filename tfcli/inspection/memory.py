@@ -487,9 +487,16 @@ def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | 
 
 def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
                     kernel: str) -> list[MemoryLine]:
-    """KV cache and working memory of a prefill of L tokens and of one decode step."""
+    """KV cache and working memory of a prefill of L tokens and of one decode step: for tfcli's
+    own model from its configuration; for any other, measured (tfcli.inspection.inference)."""
     from tfcli.model.counting import kv_cache
 
+    if subject.kind != "tfcli":
+        from tfcli.inspection import inference
+
+        lines = inference.hf_inference_lines if subject.kind == "hf" else \
+            inference.module_inference_lines
+        return lines(subject, sizes, dtype, kv_dtype, kernel)
     cfg = subject.cfg
     batch, length = sizes["B"], sizes["T"] if cfg.has_decoder else sizes["S"]
     cache = kv_cache(cfg, batch, length, sizes["S"] if cfg.has_encoder and cfg.has_decoder else 0)

@@ -1,0 +1,319 @@
+"""Inference memory of a model tfcli did not build: its KV cache measured, not computed from
+config fields.
+
+A Transformers model runs its own cache on fake tensors (nothing allocated): a prefill of L−1
+tokens with ``use_cache=True`` and one decode step, so that the cache ends holding the L
+positions asked — with whatever cache class Transformers picks (sliding-window layers, per-layer
+KV heads, interleaved local and global layers, an encoder-decoder's cross-attention cache). Its
+bytes are the storages of the tensors the cache object holds after the step, each storage once:
+a sliding-window layer keeps a view of a larger tensor, and the whole storage stays alive.
+
+A user's module has no cache object: the K and V each attention call computes in a forward of L
+(SDPA, matmul + softmax, nn.MultiheadAttention, as tfcli.inspection.ops recognises them) are
+counted, and said to be that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tfcli.errors import TfcliError
+from tfcli.inspection.memory import (DTYPES, REPLAY, MemoryLine, _LiveStorages, _sizes_text,
+                                     attention_kernel, dtype_bytes, estimate_forward_peak)
+from tfcli.inspection.ops import OpObserver, _addmm_operands, _ADDMMS, _MATMULS
+from tfcli.subjects.base import Inputs, running
+
+
+# --- what an object holds ----------------------------------------------------------------------
+
+
+def held_tensors(obj, limit: int = 100_000) -> list[tuple[str, Tensor]]:
+    """Every tensor reachable from ``obj`` through attributes, lists, tuples and dicts, with the
+    path it was found at; each object visited once."""
+    found: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    stack = [("cache", obj)]
+    while stack and len(seen) < limit:
+        path, item = stack.pop()
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, Tensor):
+            found.append((path, item))
+        elif isinstance(item, dict):
+            stack += [(f"{path}[{k!r}]", v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            stack += [(f"{path}.{k}", v) for k, v in vars(item).items()]
+    return found
+
+
+def storage_bytes(tensors: list[Tensor]) -> dict[int, tuple[int, Tensor]]:
+    """id(storage) -> (bytes, a tensor on it): each storage once, however many views."""
+    out: dict[int, tuple[int, Tensor]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.setdefault(id(storage), (storage.nbytes(), t))
+    return out
+
+
+def _at_kv_dtype(storages: dict[int, tuple[int, Tensor]], kv_dtype: str) -> tuple[int, int]:
+    """(bytes with floating storages counted at ``kv_dtype``, bytes of the other tensors)."""
+    size = dtype_bytes(kv_dtype)
+    floating = sum(n // t.element_size() * size for n, t in storages.values()
+                   if t.is_floating_point())
+    other = sum(n for n, t in storages.values() if not t.is_floating_point())
+    return floating + other, other
+
+
+def _layer_positions(cache) -> list[tuple[str, int]]:
+    """(class name, positions its storage holds) for each cache layer: an object holding
+    ``keys`` as a [B, h_kv, positions, d] tensor."""
+    layers = []
+    for path, t in held_tensors(cache):
+        if path.endswith(".keys") and t.dim() == 4 and t.numel():
+            per_position = t.numel() // t.size(-2)
+            layers.append((path, t.untyped_storage().nbytes() // t.element_size()
+                           // per_position))
+    return sorted(layers)
+
+
+# --- Transformers: the model's own cache -------------------------------------------------------
+
+
+def _refuse(subject, why: str) -> TfcliError:
+    return TfcliError(f"--inference: {subject.label} {why}; --inference sizes a model that "
+                      f"decodes tokens with a KV cache (a decoder, or an encoder-decoder)")
+
+
+def _hf_calls(subject, model, sizes: dict[str, int]):
+    """(prefill kwargs, function making the decode step's kwargs from the prefill's output,
+    the length letter decoded)."""
+    import inspect
+
+    accepts = set(inspect.signature(model.forward).parameters)
+    if "use_cache" not in accepts or "past_key_values" not in accepts:
+        raise _refuse(subject, f"keeps no KV cache ({type(model).__name__}.forward takes no "
+                               f"use_cache / past_key_values)")
+    if subject.input_specs:
+        raise TfcliError("--inference with --input: tfcli makes a Transformers model's decode "
+                         "inputs itself (token ids); drop --input")
+    decoded = "T" if subject.encoder_decoder else "L"
+    if decoded not in subject.dims_used():
+        raise _refuse(subject, f"takes no token ids to decode (its inputs use "
+                               f"{', '.join(subject.dims_used())})")
+    kwargs = dict(subject.make_inputs(model, {**sizes, decoded: sizes[decoded] - 1}, "cpu")
+                  .kwargs)
+    for name in ("attention_mask", "decoder_attention_mask"):  # all ones: no padding
+        kwargs.pop(name, None)
+    kwargs["use_cache"] = True
+    ids = "decoder_input_ids" if subject.encoder_decoder else "input_ids"
+
+    def decode(out) -> dict:
+        step = {ids: torch.zeros(sizes["B"], 1, dtype=torch.long),
+                "past_key_values": out.past_key_values, "use_cache": True}
+        if subject.encoder_decoder:  # the encoder ran once, in the prefill
+            step["encoder_outputs"] = (out.encoder_last_hidden_state,)
+        return step
+    return kwargs, decode, decoded
+
+
+def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto"):
+    """Run ``subject``'s Transformers model on fake tensors: a prefill of L−1 tokens with
+    use_cache=True, then one decode step. Returns (the cache object, the decode step's peak
+    above everything that existed before it, the cache's bytes before the step)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None).eval()
+        prefill, decode, letter = _hf_calls(subject, model, sizes)
+        existing = [*model.parameters(), *model.buffers(),
+                    *Inputs((), prefill).tensors()]
+        with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
+            out = Inputs((), prefill)(model)
+            cache = getattr(out, "past_key_values", None)
+            if cache is None:
+                raise _refuse(subject, "returned no cache (past_key_values is None with "
+                                       "use_cache=True)")
+            step = decode(out)
+            del out
+            live = _LiveStorages([*existing, *Inputs((), step).tensors(),
+                                  *(t for _, t in held_tensors(step))])
+            before = _count_frees(live, cache)
+            with live:
+                out = Inputs((), step)(model)
+            cache = out.past_key_values
+            del out
+    return cache, live.peak, before
+
+
+def _count_frees(live: _LiveStorages, cache) -> int:
+    """The cache's bytes now; and ``live`` counts down when a storage of it is freed (a
+    layer's old tensor, replaced by the longer one its decode step concatenates), so that its
+    peak is the step's own, above what existed before it."""
+    import weakref
+
+    storages = {id(t.untyped_storage()): t.untyped_storage() for _, t in held_tensors(cache)}
+    for key, storage in storages.items():
+        weakref.finalize(storage, live._free, key, storage.nbytes())
+    return sum(s.nbytes() for s in storages.values())
+
+
+def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
+                       kernel: str) -> list[MemoryLine]:
+    """KV cache, prefill and decode-step working sets of a Transformers model."""
+    letter = "T" if subject.encoder_decoder else "L"
+    length = sizes.get(letter, sizes.get("L"))
+    if length < 2:
+        raise TfcliError(f"--inference --seq-len {length}: at least 2 (a prefill of L−1 tokens "
+                         f"and one decode step fill the cache's L positions)")
+    cache, peak, before = hf_cache_replay(subject, sizes, dtype, kernel)
+    storages = storage_bytes([t for _, t in held_tensors(cache)])
+    measured = sum(n for n, _ in storages.values())
+    kv_bytes, other = _at_kv_dtype(storages, kv_dtype)
+    layers = _layer_positions(cache)
+    how = (f"measured: Transformers' own {type(cache).__name__} ({len(layers)} layers) after a "
+           f"prefill of {length - 1} tokens with use_cache=True and one decode step "
+           f"({_sizes_text(subject, sizes)}), run on fake tensors: {len(storages)} storages "
+           f"it holds, each once")
+    if kv_dtype != dtype:
+        how += f", counted at {dtype_bytes(kv_dtype)} B {kv_dtype} ({measured:,} B as run in " \
+               f"{dtype})"
+    if other:
+        how += f"; {other:,} B of it integer tensors (window lengths, positions)"
+    if subject.encoder_decoder:
+        how += f"; with the cross-attention's K and V of the S={sizes['S']} encoder positions"
+    short = Counter(p for path, p in layers if p < length and "cross" not in path)
+    if short:
+        window = getattr(subject.config, "sliding_window", None) \
+            or getattr(getattr(subject.config, "get_text_config", lambda: None)(),
+                       "sliding_window", None)
+        cut = "; ".join(f"keeps the last {p} positions on {n} of {len(layers)} layers"
+                        for p, n in sorted(short.items()))
+        how += f"; {cut}, not the {length} asked" + (f" (sliding_window={window})"
+                                                     if window else "")
+    lines = [MemoryLine("KV cache", kv_bytes, how)]
+    lines.append(_prefill_line(subject, sizes, dtype, kernel, letter))
+    after = measured
+    working = peak - (after - before)
+    lines.append(MemoryLine(
+        "decode step working set", working,
+        f"measured in the same replay: the decode step's peak ({peak:,} B above the weights "
+        f"and the {before:,} B cache it starts with) less the cache's change "
+        f"({after - before:+,} B); peak of a decode step = weights + KV cache + this"))
+    return lines
+
+
+def _prefill_line(subject, sizes, dtype, kernel, letter) -> MemoryLine:
+    prefill = estimate_forward_peak(subject, sizes, dtype, kernel)
+    return MemoryLine("prefill working set", prefill,
+                      f"fake-tensor replay of one eval forward of {letter}={sizes[letter]} "
+                      f"tokens ({_sizes_text(subject, sizes)}), no grad, no cache: the peak "
+                      f"above weights and inputs")
+
+
+# --- a user's module: the K and V its attention calls compute ----------------------------------
+
+
+class _KeysAndValues(OpObserver):
+    """An OpObserver that also keeps, per attention call, the bytes of its K and V operands:
+    SDPA's key and value, the right operand of a score product (Kᵀ) a softmax then takes, the
+    right operand of the weights·V product, and nn.MultiheadAttention's projected K and V."""
+
+    def __init__(self) -> None:
+        super().__init__(self._seen)
+        self._call = None
+        self.keys: dict[int, tuple] = {}  # id(op) -> (op, K bytes, K numel)
+        self.values: list[tuple[int, int]] = []  # (V bytes, V numel)
+        self.sdpa: list[tuple[int, int, int, int]] = []  # K bytes, K numel, V bytes, V numel
+        self.mha: list[tuple[int, int]] = []  # K and V bytes, numel of both
+
+    def _observe(self, func, args, kwargs, out) -> None:
+        self._call = (func, args, kwargs)
+        if func is F.multi_head_attention_forward:
+            import inspect
+
+            bound = inspect.signature(F.multi_head_attention_forward).bind(*args, **kwargs)
+            key, width = bound.arguments["key"], bound.arguments["embed_dim_to_check"]
+            query = bound.arguments["query"]
+            numel = math.prod(key.shape[:-1]) * width  # [S, B, d_model] each, projected
+            self.mha.append((2 * numel * query.element_size(), 2 * numel))
+        super()._observe(func, args, kwargs, out)
+
+    def _seen(self, op) -> None:
+        func, args, kwargs = self._call
+        if op.kind == "sdpa":
+            names = ("query", "key", "value")
+            bound = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
+            k, v = bound["key"], bound["value"]
+            self.sdpa.append((k.numel() * k.element_size(), k.numel(),
+                              v.numel() * v.element_size(), v.numel()))
+            return
+        right = _right_operand(func, args, kwargs)
+        if right is None:
+            return
+        if op.kind == "matmul":
+            self.keys[id(op)] = (op, right.numel() * right.element_size(), right.numel())
+        elif op.kind == "weights·V":
+            self.values.append((right.numel() * right.element_size(), right.numel()))
+
+    def totals(self) -> tuple[int, int, int]:
+        """(attention calls, bytes of their K and V, elements of them)."""
+        keys = [(b, n) for op, b, n in self.keys.values() if op.kind == "scores"]
+        calls = len(keys) + len(self.sdpa) + len(self.mha)
+        nbytes = sum(b for b, _ in keys) + sum(b for b, _ in self.values) \
+            + sum(k + v for k, _, v, _ in self.sdpa) + sum(b for b, _ in self.mha)
+        numel = sum(n for _, n in keys) + sum(n for _, n in self.values) \
+            + sum(k + v for _, k, _, v in self.sdpa) + sum(n for _, n in self.mha)
+        return calls, nbytes, numel
+
+
+def _right_operand(func, args, kwargs):
+    if func in _ADDMMS:
+        return _addmm_operands(args, kwargs)[1]
+    if func in _MATMULS:
+        return args[0] if func is Tensor.__rmatmul__ else args[1]
+    if func is torch.einsum:
+        operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) \
+            else args[1]
+        return operands[1] if len(operands) == 2 else None
+    return None
+
+
+def module_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
+                           kernel: str) -> list[MemoryLine]:
+    """K and V of every attention call in a forward of L, and the working sets, of a module
+    that keeps no cache tfcli can see."""
+    seen = _KeysAndValues()
+    with seen:  # the observer rides along one replay; it only reads
+        prefill = estimate_forward_peak(subject, sizes, dtype, kernel)
+    calls, measured, numel = seen.totals()
+    if not calls:
+        raise TfcliError(f"--inference: tfcli saw no attention call in a forward of "
+                         f"{subject.label} ({_sizes_text(subject, sizes)}): no SDPA, no "
+                         f"matmul + softmax, no nn.MultiheadAttention, so no K and V to count")
+    kv_bytes = numel * dtype_bytes(kv_dtype)
+    how = (f"K and V the attention calls compute: {calls} calls in one forward "
+           f"({_sizes_text(subject, sizes)}), {numel:,} elements × {dtype_bytes(kv_dtype)} B "
+           f"{kv_dtype}, seen on fake tensors; the module keeps no cache tfcli can see (a "
+           f"cache of it would hold these for the decoder's calls)")
+    if kv_dtype != dtype:
+        how += f" ({measured:,} B as computed)"
+    decoded = next((d for d in ("T", "L", "S") if d in subject.length_dims()), None)
+    one = {**sizes, decoded: 1} if decoded else sizes
+    step = estimate_forward_peak(subject, one, dtype, kernel)
+    return [MemoryLine("KV cache", kv_bytes, how),
+            MemoryLine("prefill working set", prefill,
+                       f"fake-tensor replay of one eval forward ({_sizes_text(subject, sizes)}),"
+                       f" no grad: the peak above weights and inputs"),
+            MemoryLine("decode step working set", step,
+                       f"fake-tensor replay of a forward of one token "
+                       f"({_sizes_text(subject, one)}): without a cache the module sees only "
+                       f"that token; decoding without one reruns all positions (the prefill "
+                       f"line)")]
