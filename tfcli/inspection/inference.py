@@ -93,8 +93,8 @@ def _refuse(subject, why: str) -> TfcliError:
 
 
 def _hf_calls(subject, model, sizes: dict[str, int]):
-    """(prefill kwargs, function making the decode step's kwargs from the prefill's output,
-    the length letter decoded)."""
+    """(prefill kwargs, function making the decode step's kwargs from the prefill's
+    output)."""
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
@@ -121,7 +121,7 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
         if subject.encoder_decoder:  # the encoder ran once, in the prefill
             step["encoder_outputs"] = (out.encoder_last_hidden_state,)
         return step
-    return kwargs, decode, decoded
+    return kwargs, decode
 
 
 def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto"):
@@ -132,7 +132,7 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None).eval()
-        prefill, decode, letter = _hf_calls(subject, model, sizes)
+        prefill, decode = _hf_calls(subject, model, sizes)
         existing = [*model.parameters(), *model.buffers(),
                     *Inputs((), prefill).tensors()]
         with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
@@ -178,7 +178,10 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
     measured = sum(n for n, _ in storages.values())
     kv_bytes, other = _at_kv_dtype(storages, kv_dtype)
     layers = _layer_positions(cache)
-    how = (f"measured: Transformers' own {type(cache).__name__} ({len(layers)} layers) after a "
+    cross = sum("cross" in path for path, _ in layers)
+    held = f"{len(layers) - cross} self- and {cross} cross-attention layers" if cross else \
+        f"{len(layers)} layers"
+    how = (f"measured: Transformers' own {type(cache).__name__} ({held}) after a "
            f"prefill of {length - 1} tokens with use_cache=True and one decode step "
            f"({_sizes_text(subject, sizes)}), run on fake tensors: {len(storages)} storages "
            f"it holds, each once")
@@ -199,7 +202,7 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
         how += f"; {cut}, not the {length} asked" + (f" (sliding_window={window})"
                                                      if window else "")
     lines = [MemoryLine("KV cache", kv_bytes, how)]
-    lines.append(_prefill_line(subject, sizes, dtype, kernel, letter))
+    lines.append(_prefill_line(subject, sizes, dtype, kernel))
     after = measured
     working = peak - (after - before)
     lines.append(MemoryLine(
@@ -210,12 +213,11 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
     return lines
 
 
-def _prefill_line(subject, sizes, dtype, kernel, letter) -> MemoryLine:
+def _prefill_line(subject, sizes, dtype, kernel) -> MemoryLine:
     prefill = estimate_forward_peak(subject, sizes, dtype, kernel)
     return MemoryLine("prefill working set", prefill,
-                      f"fake-tensor replay of one eval forward of {letter}={sizes[letter]} "
-                      f"tokens ({_sizes_text(subject, sizes)}), no grad, no cache: the peak "
-                      f"above weights and inputs")
+                      f"fake-tensor replay of one eval forward ({_sizes_text(subject, sizes)}), "
+                      f"no grad, no cache: the peak above weights and inputs")
 
 
 # --- a user's module: the K and V its attention calls compute ----------------------------------
