@@ -190,8 +190,10 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
                f"{dtype})"
     if other:
         how += f"; {other:,} B of it integer tensors (window lengths, positions)"
-    if subject.encoder_decoder:
-        how += f"; with the cross-attention's K and V of the S={sizes['S']} encoder positions"
+    memory = sorted({p for path, p in layers if "cross" in path})
+    if memory:
+        how += (f"; with the cross-attention's K and V of the "
+                f"{'/'.join(map(str, memory))} encoder positions")
     short = Counter(p for path, p in layers if p < length and "cross" not in path)
     if short:
         window = getattr(subject.config, "sliding_window", None) \
@@ -303,8 +305,8 @@ def module_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype:
     kv_bytes = numel * dtype_bytes(kv_dtype)
     how = (f"K and V the attention calls compute: {calls} calls in one forward "
            f"({_sizes_text(subject, sizes)}), {numel:,} elements × {dtype_bytes(kv_dtype)} B "
-           f"{kv_dtype}, seen on fake tensors; the module keeps no cache tfcli can see (a "
-           f"cache of it would hold these for the decoder's calls)")
+           f"{kv_dtype}, seen on fake tensors; the module keeps no cache tfcli can see, so "
+           f"this is every call's K and V (an encoder's too), not what a cache would keep")
     if kv_dtype != dtype:
         how += f" ({measured:,} B as computed)"
     decoded = next((d for d in ("T", "L", "S") if d in subject.length_dims()), None)
