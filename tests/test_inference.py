@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-B, L = 2, 12  # L − 1 prefill tokens and one decode step: the cache ends at L positions
+B, L = 2, 12  # L − 2 prefill tokens and two decode steps: the cache ends at L positions
 WINDOW = 5  # shorter than L: the sliding layers keep less than asked
 
 
@@ -60,21 +60,23 @@ def _storage_bytes_held(cache) -> int:
 
 
 def _real_cache(config):
-    """The cache a real CPU run holds after a prefill of L − 1 tokens and one decode step."""
+    """The cache a real CPU run holds after a prefill of L − 2 tokens and two decode steps."""
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (B, L))
+    seq2seq = config.is_encoder_decoder
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_config(config).eval()
     with torch.no_grad():
-        if config.is_encoder_decoder:
-            model = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
-            out = model(input_ids=ids, decoder_input_ids=ids[:, :-1], use_cache=True)
-            out = model(encoder_outputs=(out.encoder_last_hidden_state,),
-                        decoder_input_ids=ids[:, -1:], past_key_values=out.past_key_values,
-                        use_cache=True)
-        else:
-            model = transformers.AutoModelForCausalLM.from_config(config).eval()
-            out = model(input_ids=ids[:, :-1], use_cache=True)
-            out = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values,
-                        use_cache=True)
+        out = model(input_ids=ids, decoder_input_ids=ids[:, :-2], use_cache=True) if seq2seq \
+            else model(input_ids=ids[:, :-2], use_cache=True)
+        for i in (L - 2, L - 1):
+            step = {"past_key_values": out.past_key_values, "use_cache": True}
+            if seq2seq:
+                step.update(encoder_outputs=(out.encoder_last_hidden_state,),
+                            decoder_input_ids=ids[:, i:i + 1])
+            else:
+                step["input_ids"] = ids[:, i:i + 1]
+            out = model(**step)
     return out.past_key_values
 
 
@@ -101,6 +103,7 @@ def test_hf_kv_cache_equals_the_real_cache_to_the_byte(cli, config_files, name, 
     else:
         assert f"keeps the last {WINDOW} positions {cut}, not the {L} asked" in how
         assert f"sliding_window={WINDOW}" in how
+        assert "right after the prefill it holds" in how  # L − 2 positions, until trimmed
 
 
 def test_kv_dtype_counts_the_real_cache_at_that_dtype(cli, config_files):

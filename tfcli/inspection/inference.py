@@ -1,8 +1,8 @@
 """Inference memory of a model tfcli did not build: its KV cache measured, not computed from
 config fields.
 
-A Transformers model runs its own cache on fake tensors (nothing allocated): a prefill of L−1
-tokens with ``use_cache=True`` and one decode step, so that the cache ends holding the L
+A Transformers model runs its own cache on fake tensors (nothing allocated): a prefill of L−2
+tokens with ``use_cache=True`` and two decode steps, so that the cache ends holding the L
 positions asked — with whatever cache class Transformers picks (sliding-window layers, per-layer
 KV heads, interleaved local and global layers, an encoder-decoder's cross-attention cache). Its
 bytes are the storages of the tensors the cache object holds after the step, each storage once:
@@ -108,8 +108,8 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
     if decoded not in subject.dims_used():
         raise _refuse(subject, f"takes no token ids to decode (its inputs use "
                                f"{', '.join(subject.dims_used())})")
-    kwargs = dict(subject.make_inputs(model, {**sizes, decoded: sizes[decoded] - 1}, "cpu")
-                  .kwargs)
+    prefill = sizes[decoded] - decode_steps(sizes[decoded])
+    kwargs = dict(subject.make_inputs(model, {**sizes, decoded: prefill}, "cpu").kwargs)
     for name in ("attention_mask", "decoder_attention_mask"):  # all ones: no padding
         kwargs.pop(name, None)
     kwargs["use_cache"] = True
@@ -124,10 +124,17 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
     return kwargs, decode
 
 
+def decode_steps(length: int) -> int:
+    """Decode steps after the prefill: two where L allows, so that the step measured is a
+    steady one (the first trims a sliding window's prefill-length storage)."""
+    return 2 if length >= 3 else 1
+
+
 def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto"):
-    """Run ``subject``'s Transformers model on fake tensors: a prefill of L−1 tokens with
-    use_cache=True, then one decode step. Returns (the cache object, the decode step's peak
-    above everything that existed before it, the cache's bytes before the step)."""
+    """Run ``subject``'s Transformers model on fake tensors: a prefill of L − steps tokens
+    with use_cache=True, then ``decode_steps(L)`` one-token steps. Returns (the cache object,
+    the last step's peak above everything that existed before it, the cache's bytes before
+    that step, the cache's bytes right after the prefill)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -137,20 +144,24 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
                     *Inputs((), prefill).tensors()]
         with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
             out = Inputs((), prefill)(model)
-            cache = getattr(out, "past_key_values", None)
-            if cache is None:
+            if getattr(out, "past_key_values", None) is None:
                 raise _refuse(subject, "returned no cache (past_key_values is None with "
                                        "use_cache=True)")
-            step = decode(out)
-            del out
-            live = _LiveStorages([*existing, *Inputs((), step).tensors(),
-                                  *(t for _, t in held_tensors(step))])
-            before = _count_frees(live, cache)
-            with live:
-                out = Inputs((), step)(model)
+            after_prefill = sum(n for n, _ in storage_bytes(
+                [t for _, t in held_tensors(out.past_key_values)]).values())
+            for last in range(decode_steps(sizes["T" if subject.encoder_decoder else "L"]),
+                              0, -1):
+                step = decode(out)
+                del out
+                live = _LiveStorages([*existing, *Inputs((), step).tensors(),
+                                      *(t for _, t in held_tensors(step))])
+                before = _count_frees(live, step["past_key_values"])
+                with live:
+                    out = Inputs((), step)(model)
+                del step
             cache = out.past_key_values
             del out
-    return cache, live.peak, before
+    return cache, live.peak, before, after_prefill
 
 
 def _count_frees(live: _LiveStorages, cache) -> int:
@@ -171,9 +182,10 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
     letter = "T" if subject.encoder_decoder else "L"
     length = sizes.get(letter, sizes.get("L"))
     if length < 2:
-        raise TfcliError(f"--inference --seq-len {length}: at least 2 (a prefill of L−1 tokens "
-                         f"and one decode step fill the cache's L positions)")
-    cache, peak, before = hf_cache_replay(subject, sizes, dtype, kernel)
+        raise TfcliError(f"--inference --seq-len {length}: at least 2 (a prefill and a decode "
+                         f"step fill the cache's L positions)")
+    cache, peak, before, after_prefill = hf_cache_replay(subject, sizes, dtype, kernel)
+    steps = decode_steps(length)
     storages = storage_bytes([t for _, t in held_tensors(cache)])
     measured = sum(n for n, _ in storages.values())
     kv_bytes, other = _at_kv_dtype(storages, kv_dtype)
@@ -182,7 +194,8 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
     held = f"{len(layers) - cross} self- and {cross} cross-attention layers" if cross else \
         f"{len(layers)} layers"
     how = (f"measured: Transformers' own {type(cache).__name__} ({held}) after a "
-           f"prefill of {length - 1} tokens with use_cache=True and one decode step "
+           f"prefill of {length - steps} tokens with use_cache=True and {steps} decode "
+           f"step{'s' if steps > 1 else ''} "
            f"({_sizes_text(subject, sizes)}), run on fake tensors: {len(storages)} storages "
            f"it holds, each once")
     if kv_dtype != dtype:
@@ -203,13 +216,17 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
                         for p, n in sorted(short.items()))
         how += f"; {cut}, not the {length} asked" + (f" (sliding_window={window})"
                                                      if window else "")
+    if short and after_prefill > measured:
+        how += (f"; right after the prefill it holds {after_prefill:,} B as run: the windowed "
+                f"layers keep the prefill's whole K and V until the first decode step")
     lines = [MemoryLine("KV cache", kv_bytes, how)]
     lines.append(_prefill_line(subject, sizes, dtype, kernel))
     after = measured
     working = peak - (after - before)
     lines.append(MemoryLine(
         "decode step working set", working,
-        f"measured in the same replay: the decode step's peak ({peak:,} B above the weights "
+        f"measured in the same replay: the last decode step's peak ({peak:,} B above the "
+        f"weights "
         f"and the {before:,} B cache it starts with) less the cache's change "
         f"({after - before:+,} B); peak of a decode step = weights + KV cache + this"))
     return lines
