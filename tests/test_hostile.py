@@ -333,7 +333,7 @@ TORCH_CASES: list[Case] = [
          "a and b must have same reduction dim", files={"m.py": (
              b"import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
              b"        return x @ torch.ones(5, 5)\n")}),
-    # --parallel and --inference for --model are refused before the model is imported
+    # --parallel for --model is refused before the model is imported
     Case("params-parallel-model-refused-before-import", ["params", "--model", "m.py:M",
                                                          "--parallel", "dp=2"], 2,
          "--parallel needs tfcli's own configuration",

@@ -73,7 +73,7 @@ def _at_kv_dtype(storages: dict[int, tuple[int, Tensor]], kv_dtype: str) -> tupl
 
 
 def _layer_positions(cache) -> list[tuple[str, int]]:
-    """(class name, positions its storage holds) for each cache layer: an object holding
+    """(path, positions its storage holds) for each cache layer: an object holding
     ``keys`` as a [B, h_kv, positions, d] tensor."""
     layers = []
     for path, t in held_tensors(cache):
