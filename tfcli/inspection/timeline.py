@@ -277,8 +277,8 @@ class _Recording(_LiveStorages):
                         allocations[index].category = "gradient"
         self._stage = stage
         # until the first operation of the stage says more (backward starts at the loss)
-        self._where = ("(loss)", "backward loss") if stage == "backward" else \
-            (f"({stage})", stage)
+        self._moved(("(loss)", "backward loss") if stage == "backward" else
+                    (f"({stage})", stage))
 
     def _locate(self) -> tuple[str, str]:
         """(module, phase) of the operation about to run."""
@@ -302,10 +302,21 @@ class _Recording(_LiveStorages):
             return module, "backward " + phase.removeprefix("forward ")
         return f"({self._stage})", self._stage
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._where = self._locate()
-        if self._stage == "forward":  # the autograd node this op made, if any, is the last
+    def _moved(self, where: tuple[str, str]) -> None:
+        """The operation about to run is ``where`` (module, phase). A subclass that marks
+        phases in a real run's profile (tests/test_timeline.py) sees each change of phase here,
+        before the operation allocates anything."""
+        self._where = where
+
+    def _arrive(self) -> None:
+        """Before each operation: where it runs; in forward, the autograd node it made (made
+        before the operation reaches this mode, so the last one)."""
+        self._moved(self._locate())
+        if self._stage == "forward":
             self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, self._where)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._arrive()
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _allocated(self, key: int, nbytes: int, t: Tensor, func) -> None:
