@@ -130,8 +130,10 @@ def test_png_without_matplotlib_is_one_line_naming_the_extra(cli, tmp_path, monk
     ((*SIZES, "--timeline", "t.svg"), "must end in .json, .html or .png"),
     ((*SIZES, "--parallel", "dp=2", "--timeline", "t.json"),
      "--timeline is not yet supported with --parallel"),
-    ((*SIZES, "--inference", "--timeline", "t.json"),
-     "--timeline is not yet supported with --inference"),
+    ((*SIZES, "--inference", "--decode-steps", "2"),
+     "--decode-steps sets the decode steps that --inference --timeline FILE draws"),
+    ((*SIZES, "--decode-steps", "2", "--timeline", "t.json"),
+     "--decode-steps sets the decode steps that --inference --timeline FILE draws"),
     ((*SIZES, "--timeline", "d.json"), "is a directory"),
     ((*SIZES, "--timeline", "nowhere/t.json"), "no such directory"),
 ])
@@ -142,6 +144,39 @@ def test_refusals(cli, tmp_path, monkeypatch, args, words):
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
     assert words in result.stderr, result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["d.json"]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_inference_timeline_grows_the_cache_per_step_and_a_window_levels_it_off(
+        cli, tmp_path, window):
+    """Prefill of L = 4 tokens, then 3 decode steps: after step k each decoder layer holds K
+    and V of L + k positions (W at most with a sliding window of W) and, for cross-attention,
+    of the S memory positions; the sizes come from the configuration --json prints."""
+    path = tmp_path / "t.json"
+    extra = () if window is None else ("--set", f"attention_window={window}")
+    result = cli("params", *TINY, *extra, "--seq-len", "4", "--batch-size", "2", "--inference",
+                 "--decode-steps", "3", "--timeline", str(path), "--json")
+    assert result.exit_code == 0, result.stderr
+    cfg = json.loads(result.stdout)["config"]
+    snapshot = json.loads(path.read_text())
+    per_position = 2 * 2 * cfg["n_decoder_layers"] * (cfg["n_kv_heads"] or cfg["n_heads"]) \
+        * (cfg["head_dim"] or cfg["d_model"] // cfg["n_heads"]) * 4  # K and V, B = 2, fp32
+    last = {p["last_event"]: p["phase"] for p in snapshot["tfcli"]["phases"]}
+    live, cache_at = {}, {}  # KV cache bytes alive at the end of each phase
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"] if event["category"] == "kv_cache" else 0
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"])
+        if event["time_us"] in last and event["action"] != "free_requested":
+            cache_at[last[event["time_us"]]] = sum(live.values())
+    held = [min(4 + k, window or 10**9) for k in (1, 2, 3)]
+    assert [cache_at[f"decode step {k}"] for k in (1, 2, 3)] == \
+        [per_position * (n + 4) for n in held]  # + the memory's S = 4 positions
+    assert {"prefill decoder.layers.0", "prefill encoder.layers.0"} <= set(cache_at)
+    phases = [p["phase"] for p in snapshot["tfcli"]["phases"]]
+    assert phases[-1] == "decode step 3" and "decode step 4" not in phases
+    assert snapshot["tfcli"]["by_category_at_peak"]["kv_cache"] > 0
 
 
 def test_a_failed_write_leaves_the_old_file(cli, tmp_path, monkeypatch):

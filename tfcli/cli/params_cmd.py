@@ -132,10 +132,11 @@ RULES = Rules(
     Rule("timeline", STEP,
          Needs(lambda v: v.per_rank is None, "not with --parallel",
                "is not yet supported with {v.per_rank}: it draws one device's training step "
-               "(a rank's timeline is still to come); drop {v.per_rank}"),
-         Needs(lambda v: not v.inference, "not with --inference",
-               "is not yet supported with --inference: it draws a training step (the decode "
-               "timeline is still to come); drop --inference")),
+               "(a rank's timeline is still to come); drop {v.per_rank}")),
+    Rule("decode_steps", Needs(lambda v: v.inference and v.timeline is not None,
+                               "only with --inference --timeline",
+                               "sets the decode steps that --inference --timeline FILE draws: add "
+                               "both, or drop it")),
     derived={"per_rank": _per_rank,
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
@@ -206,6 +207,9 @@ def params(
         "--wrap", metavar="CLASS", show_default=False,
         help="FSDP wrap units for a --model's per-rank plan: every outermost module of this "
              "class (default: the blocks of the model's largest ModuleList).")] = None,
+    decode_steps: Annotated[Optional[int], typer.Option(
+        min=1, max=4096, show_default=False,
+        help="Decode steps after the prefill in a --inference --timeline (default 8).")] = None,
     timeline: Annotated[Optional[Path], typer.Option(
         "--timeline", metavar="FILE", show_default=False,
         help="Draw the replayed training step's memory over time, by category, with its "
@@ -273,6 +277,25 @@ def params(
             memory += mem.inference_lines(subject, dims, dtype.value,
                                           (kv_dtype or dtype).value, kernel)
             how = f"attention kernel: {assumed}, on {device.value}"
+            if timeline is not None:
+                from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
+
+                if cfg is None:  # the cache is modelled from tfcli's configuration
+                    raise TfcliError("--inference --timeline draws tfcli's own model "
+                                     "(--preset/--config/--set) for now; for --model drop "
+                                     "--timeline")
+
+                steps = decode_steps or DECODE_STEPS
+                kv = (kv_dtype or dtype).value
+                written = _write_timeline(timeline_file, inference_timeline(
+                    subject, dims, dtype.value, kv, kernel, steps), None, {
+                    "what": f"inference: a prefill of {seq_len} tokens, then {steps} decode "
+                            f"steps (eval, no grad)",
+                    "model": subject.label, "sizes": mem._sizes_text(subject, dims),
+                    "precision": f"{dtype.value}, KV cache {kv}", "kernel": assumed,
+                    "method": f"fake-tensor replay of each forward on {device.value} kernels: "
+                              f"nothing allocated; the KV cache modelled per layer as a "
+                              f"DynamicCache grows (a rolling buffer with a sliding window)"})
         else:
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel)
@@ -368,7 +391,8 @@ def _write_timeline(path: Path, timeline, peak_line: int, about: dict) -> dict:
 
     info = draw.summary(timeline)
     agrees = info["peak_bytes"] == peak_line
-    about["peak_line"] = ("equal to the peak line" if agrees else
+    about["peak_line"] = ("no peak line to compare (inference)" if peak_line is None else
+                          "equal to the peak line" if agrees else
                           f"the peak line is {peak_line:,} B: "
                           f"{peak_line - info['peak_bytes']:+,} B")
     out = AtomicFile(path)

@@ -34,6 +34,7 @@ CATEGORIES = {
     "gradient": "gradients",
     "activation": "activations (kept for backward)",
     "temporary": "temporaries",
+    "kv_cache": "KV cache",
 }
 BEFORE = "before the step"
 
@@ -178,6 +179,7 @@ class _Recording(_LiveStorages):
         self._calls: list[str] = []  # module paths under way, innermost last
         self._model_called = False
         self._stage = "forward"  # forward, backward, optimizer step, zero_grad
+        self._forward, self._per_layer = "forward", True  # how a forward's phases are named
         self._where = ("", BEFORE)  # (module, phase) of the operation under way
         self._made_by: dict[int, tuple[str, str]] = {}  # forward node sequence nr -> where
         self._live: dict[int, int] = {}  # id(storage) -> allocation, while alive
@@ -201,7 +203,7 @@ class _Recording(_LiveStorages):
             add(p, "parameter", name.rpartition(".")[0] or "(model)", name.rpartition(".")[2])
         for name, b in model.named_buffers():
             add(b, "buffer", name.rpartition(".")[0] or "(model)", name.rpartition(".")[2])
-        for p, state in optimizer.state.items():
+        for p, state in (optimizer.state.items() if optimizer is not None else ()):
             for key, t in state.items():
                 if not isinstance(t, Tensor):
                     continue
@@ -280,14 +282,32 @@ class _Recording(_LiveStorages):
         self._moved(("(loss)", "backward loss") if stage == "backward" else
                     (f"({stage})", stage))
 
+    def section(self, name: str, per_layer: bool) -> None:
+        """Name the forward passes that follow ``name`` ("prefill", "decode step 3"), phase by
+        layer or one phase for the whole pass (inference)."""
+        self._stage, self._forward, self._per_layer = "forward", name, per_layer
+        self._model_called = False
+        self._moved(("(model)", name if not per_layer else f"{name} (model)"))
+
+    def made(self, allocation: Allocation) -> int:
+        """Something the replay does not run but models (a KV cache): alive from now."""
+        allocation.phase = self._where[1]
+        return self._add(allocation)
+
+    def freed(self, index: int) -> None:
+        self.timeline.allocations[index].died = len(self.timeline.events)
+        self._event(index, -1, self._where[1])
+
     def _locate(self) -> tuple[str, str]:
         """(module, phase) of the operation about to run."""
         if self._stage == "forward":
             if self._calls:
                 module = self._calls[-1]
                 layer = self._layers.get(module, module)
-                return module or "(model)", f"forward {layer}"
-            return ("(loss)", "loss") if self._model_called else ("(model)", "forward (model)")
+                return module or "(model)", (f"{self._forward} {layer}" if self._per_layer
+                                             else self._forward)
+            return ("(loss)", "loss") if self._model_called else \
+                ("(model)", f"{self._forward} (model)" if self._per_layer else self._forward)
         if self._stage == "backward":
             node = torch._C._current_autograd_node()
             if node is None:
@@ -333,3 +353,105 @@ class _Recording(_LiveStorages):
             return
         self.timeline.allocations[index].died = len(self.timeline.events)
         self._event(index, -1, self._where[1])
+
+
+# --- inference: prefill, then decode steps with a growing KV cache ------------------------------
+
+DECODE_STEPS = 8  # --decode-steps default: enough steps to see the cache grow, cheap to replay
+
+
+def inference_timeline(subject, sizes: dict[str, int], dtype: str, kv_dtype: str, kernel: str,
+                       steps: int) -> Timeline:
+    """The memory of generating with tfcli's own model: a prefill of the prompt (T tokens, or
+    S for an encoder-only stack), then ``steps`` decode steps, each replayed on fake tensors in
+    eval mode without gradients, as ``inference_lines`` replays them. tfcli's model has no
+    cache of its own, so the KV cache is modelled, per decoder layer, as Transformers'
+    DynamicCache holds it: written after the layer's prefill (K and V of every position, and
+    of the memory for cross-attention), and at each decode step grown by one position
+    (torch.cat: the longer copy is made before the shorter one is freed). With a sliding
+    window of W positions the cache is a rolling buffer: it stops growing at W. A decode
+    step is a one-token forward plus, unless the kernel is fused, one layer's scores and
+    weights against the cached keys, held over the step as the decode line counts them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.inspection.memory import DTYPES, REPLAY, _replay_args, attention_kernel
+    from tfcli.subjects.base import Inputs, running
+
+    cfg = subject.cfg
+    build, make_inputs = _replay_args(subject, sizes, dtype)
+    decoder = "T" if cfg.has_decoder else "S"
+    prompt = sizes[decoder]
+    kv_type = DTYPES[kv_dtype]
+    kv_bytes = torch.empty((), dtype=kv_type).element_size()
+    act_bytes = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    batch, heads, d_k = sizes["B"], cfg.kv_heads, cfg.d_k
+    memory = sizes["S"] if cfg.has_encoder and cfg.has_decoder else 0
+
+    def held(positions: int) -> int:  # what a rolling buffer keeps
+        window = cfg.attention_window
+        return positions if window is None else min(positions, window)
+
+    timeline = Timeline()
+    with FakeTensorMode():
+        model = build().eval()
+
+        def inputs_for(length: int) -> Inputs:
+            made = subject.make_inputs(model, {**sizes, decoder: length}, "cpu")
+            return made if isinstance(made, Inputs) else Inputs((), dict(made))
+
+        prefill, one = inputs_for(prompt), inputs_for(1)
+        batch_tensors = [*prefill.tensors(), *one.tensors()]
+        recording = _Recording([*model.parameters(), *model.buffers(), *batch_tensors],
+                               model, None, batch_tensors, timeline)
+        cache: dict[int, int] = {}  # decoder layer -> its self-attention cache allocation
+
+        def write(layer: int, positions: int) -> None:
+            old = cache.get(layer)
+            cache[layer] = recording.made(Allocation(
+                2 * batch * heads * held(positions) * d_k * kv_bytes, "kv_cache", "",
+                f"decoder.layers.{layer}", "K and V cache", (2, batch, heads, held(positions), d_k),
+                str(kv_type).removeprefix("torch.")))
+            if old is not None:
+                recording.freed(old)
+
+        def after_layer(layer: int):
+            def hook(module, args, output) -> None:
+                if recording._forward == "prefill":
+                    write(layer, prompt)
+                    if memory:  # cross-attention: K and V of the encoder's output
+                        recording.made(Allocation(
+                            2 * batch * heads * memory * d_k * kv_bytes, "kv_cache", "",
+                            f"decoder.layers.{layer}", "K and V cache (memory)",
+                            (2, batch, heads, memory, d_k), str(kv_type).removeprefix("torch.")))
+            return hook
+
+        layers = dict(model.named_modules())
+        hooks = [layers[f"decoder.layers.{i}"].register_forward_hook(after_layer(i))
+                 for i in range(cfg.n_decoder_layers if cfg.has_decoder else 0)]
+        try:
+            with recording, torch.no_grad(), attention_kernel(kernel), \
+                    running(model, during=REPLAY):
+                recording.section("prefill", per_layer=True)
+                out = prefill(model)
+                del out
+                for step in range(1, steps + 1):
+                    recording.section(f"decode step {step}", per_layer=False)
+                    positions = prompt + step
+                    if held(positions) > held(positions - 1):
+                        for layer in sorted(cache):
+                            write(layer, positions)
+                    scores = None
+                    if kernel not in ("flash", "efficient"):
+                        scores = recording.made(Allocation(
+                            2 * batch * cfg.n_heads * held(positions) * act_bytes, "temporary",
+                            "", "(attention)", "scores and weights",
+                            (2, batch, cfg.n_heads, 1, held(positions)),
+                            str(DTYPES[dtype]).removeprefix("torch.")))
+                    out = one(model)
+                    del out
+                    if scores is not None:
+                        recording.freed(scores)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return timeline  # excluded: the prompt's and the decode token's ids

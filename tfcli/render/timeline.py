@@ -20,7 +20,8 @@ from tfcli.render import human_bytes
 
 # Okabe & Ito (2008): distinguishable with the common colour-vision deficiencies.
 COLOURS = {"parameter": "#0072B2", "buffer": "#56B4E9", "optimizer_state": "#E69F00",
-           "gradient": "#009E73", "activation": "#D55E00", "temporary": "#CC79A7"}
+           "gradient": "#009E73", "activation": "#D55E00", "temporary": "#CC79A7",
+           "kv_cache": "#F0E442"}
 TOP = 8  # allocations named at the peak
 
 
