@@ -236,6 +236,30 @@ def test_bench_one_short_cell(cli, zoo, lean, name):
     assert record["flops"] > 0 and 0 < record["attention_share"] < 1
 
 
+def test_a_configuration_transformers_cannot_run_fails_in_one_line(cli, tmp_path, lean):
+    """DeepSeek-V3's attention with fewer K/V heads than query heads (its published configs
+    have as many): Transformers' own model raises on a real run; each command that runs the
+    model says so in one line naming the module and the error, exit 1 (the model's failure,
+    not the user's input), after what it could print."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, vocab_size=96, max_position_embeddings=64,
+        architectures=["DeepseekV3ForCausalLM"])
+    config.to_json_file(tmp_path / "config.json")
+    with pytest.raises(RuntimeError) as raised:
+        transformers.DeepseekV3ForCausalLM(config)(input_ids=torch.randint(0, 96, (2, 9)))
+    model = ["--model", f"hf:{tmp_path}"]
+    for args in (["params", "--seq-len", "8"], ["shapes"], ["masks", "--check", "--causal",
+                                                           "input_ids"]):
+        result = cli(*args, *model)
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert "forward pass failed in model.layers.0.self_attn (DeepseekV3Attention)" in \
+            result.stderr and str(raised.value) in result.stderr
+
+
 # --- full size: each architecture's published hyperparameters (its Hub config.json) ----------
 
 # name -> (the Hub model whose config.json these are, keywords over the config class defaults)
