@@ -174,7 +174,22 @@ def test_the_zoo_covers_every_kind():
 def test_params_equal_the_transformers_model(cli, zoo, name):
     data = run_json(cli, "params", "--model", f"hf:{zoo[name]}")
     assert data["subject"]["class"] == TINY[name][2]
+    assert data["subject"]["attention"] in ("sdpa", "eager")  # each has attention modules
     assert data["total_params"] == transformers_count(name)
+
+
+def test_an_attention_free_model_is_not_labelled_with_an_attention(cli, tmp_path):
+    """Mamba (a state-space stack) has no attention, whatever Transformers' attention flag
+    says: the label and --json say so, and its trace has no score matrix."""
+    config = transformers.MambaConfig(hidden_size=32, state_size=8, num_hidden_layers=2,
+                                      vocab_size=96, architectures=["MambaForCausalLM"])
+    config.to_json_file(tmp_path / "config.json")
+    data = run_json(cli, "shapes", "--model", f"hf:{tmp_path}")
+    assert data["subject"]["attention"] == "none"
+    assert data["subject"]["label"].endswith("(MambaForCausalLM, no attention module)")
+    assert not [d for e in data["events"] for d in e["details"] if d["label"].startswith(
+        ("scores", "sdpa"))]
+    assert data["flops"]["reconciled_exactly"]
 
 
 @pytest.mark.parametrize("name", list(TINY))

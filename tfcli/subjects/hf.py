@@ -248,6 +248,12 @@ class HFSubject(Subject):
             model = self._build_on_meta_as_fake(device, dtype)
         self.has_experts = any(is_stacked_experts(m) for m in model.modules())
         self.attention_by_model = _attention_taken(model)
+        if self.attention != "none" and not _has_attention_module(model):
+            # Transformers' flag says eager for a model with no attention at all (ConvNeXt,
+            # Mamba): name what it is instead
+            self.label = self.label.replace(f", {self.attention} attention)",
+                                            ", no attention module)")
+            self.attention = "none"
         return model
 
     def _build_on_meta_as_fake(self, device, dtype) -> nn.Module:
@@ -498,6 +504,15 @@ class HFSubject(Subject):
                                              "transformers_runs": self.experts_default,
                                              "meta_and_fake_tensors": hf_moe.REPLAY}
         return out
+
+
+def _has_attention_module(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is an attention by its class name, as every attention
+    in Transformers is named (LlamaAttention, ViTSelfAttention, LSHSelfAttention,
+    nn.MultiheadAttention…); an attention-free model (a convolution or state-space stack, FNet's
+    Fourier mixing) has none."""
+    return any("Attention" in type(m).__name__ or "Attn" in type(m).__name__
+               for m in model.modules())
 
 
 def _attention_taken(model: nn.Module) -> dict[str, str]:
