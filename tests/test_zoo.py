@@ -1,6 +1,7 @@
 """The zoo (issue 22): 21 published architectures — decoders, encoders, encoder-decoders,
-mixtures of experts, vision and speech — through params, shapes, masks --check and a short
-bench, each from a Transformers configuration written here.
+mixtures of experts, vision and speech — through params, shapes and masks --check (all that
+have a mask), and one short bench cell for one architecture per path through bench, each from
+a Transformers configuration written here.
 
 Each tiny configuration keeps the shape of the published one (its activation, norms, position
 scheme, query to K/V head ratio, tie flags, experts per token) at 2 layers and a few dozen
