@@ -378,16 +378,12 @@ def test_timeline_agrees_with_the_profilers_memory_timeline_of_a_real_step(subje
         p.replace("backward", "forward") for p in replayed if p.startswith("backward ")
         and p != "backward loss"}
     assert set(profiled) == set(replayed)
-    # tfcli's own model and the user's module: equal but for C++ scalars. Llama: the replay
-    # keeps, per layer, what Transformers does only on fake tensors (it takes them for a
-    # trace): a float [B, 1, L, L] mask and K, V repeated to every query head, where a real
-    # batch without padding runs SDPA with is_causal and enable_gqa. Within 2 % here.
-    slack = {"llama": 0.02}.get(which)
+    # Equal but for small C++ allocations (scalars; Llama's rotary and loss make a few more),
+    # Llama included: on tfcli's inputs (no padding) the replay leaves out the mask and the
+    # repeated K and V as the real run does (subjects/hf_masks.py); 302,452 B against 302,524
+    # in Llama's forward, where it was 1.4 % over before.
     for phase, top in replayed.items():
-        if slack is None:
-            assert abs(top - profiled[phase]) <= 4 * SCALAR, (phase, top, profiled[phase])
-        else:
-            assert abs(top - profiled[phase]) <= slack * profiled[phase], phase
+        assert abs(top - profiled[phase]) <= 8 * SCALAR, (phase, top, profiled[phase])
 
 
 def test_written_where_asked_when_the_model_changes_directory(cli, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from tfcli.inspection.memory import (DTYPES, REPLAY, MemoryLine, _LiveStorages, 
                                      attention_kernel, dtype_bytes, estimate_forward_peak)
 from tfcli.inspection.ops import OpObserver, _addmm_operands, _ADDMMS, _MATMULS
 from tfcli.subjects.base import Inputs, running
+from tfcli.subjects.hf_masks import no_padding
 
 
 # --- what an object holds ----------------------------------------------------------------------
@@ -142,7 +143,9 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
         prefill, decode = _hf_calls(subject, model, sizes)
         existing = [*model.parameters(), *model.buffers(),
                     *Inputs((), prefill).tensors()]
-        with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY):
+        # tfcli's inputs have no padding: the masks a real batch would leave out, left out
+        with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY), \
+                no_padding():
             out = Inputs((), prefill)(model)
             if getattr(out, "past_key_values", None) is None:
                 raise _refuse(subject, "returned no cache (past_key_values is None with "

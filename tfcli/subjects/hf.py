@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tfcli.errors import TfcliError, did_you_mean
-from tfcli.subjects import hf_moe
+from tfcli.subjects import hf_masks, hf_moe
 from tfcli.subjects.hf_moe import is_stacked_experts
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
                                  error_text, fake_mode_active, make_tensors)
@@ -43,6 +43,7 @@ def _transformers():
     except ImportError:
         raise TfcliError(f"--model hf:...: {NEEDS_TRANSFORMERS}") from None
     transformers.logging.set_verbosity_error()  # its advice on configs is not tfcli's output
+    hf_masks.install()
     return transformers
 
 
@@ -442,7 +443,7 @@ class HFSubject(Subject):
         if "pixel_values" in kwargs and "interpolate_pos_encoding" in accepts \
                 and (sizes["H"], sizes["W"]) != self._image_size():
             kwargs["interpolate_pos_encoding"] = True  # positions for another image size
-        return Inputs((), kwargs)
+        return _MadeInputs((), kwargs)
 
     def input_dims(self, name: str) -> tuple | None:
         if self.input_specs:
@@ -513,6 +514,16 @@ def _has_attention_module(model: nn.Module) -> bool:
     Fourier mixing) has none."""
     return any("Attention" in type(m).__name__ or "Attn" in type(m).__name__
                for m in model.modules())
+
+
+class _MadeInputs(Inputs):
+    """Inputs tfcli made for a Transformers model (its attention mask all ones, its positions
+    the model's own): on fake or meta tensors, Transformers leaves out the masks it would
+    leave out on a real batch without padding (see hf_masks)."""
+
+    def call(self, model: nn.Module):
+        with hf_masks.no_padding():
+            return super().call(model)
 
 
 def _attention_taken(model: nn.Module) -> dict[str, str]:
