@@ -333,11 +333,14 @@ TORCH_CASES: list[Case] = [
          "a and b must have same reduction dim", files={"m.py": (
              b"import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
              b"        return x @ torch.ones(5, 5)\n")}),
-    # --parallel for --model is refused before the model is imported
+    # what --parallel cannot do for --model yet is refused before the model is imported
     Case("params-parallel-model-refused-before-import", ["params", "--model", "m.py:M",
-                                                         "--parallel", "dp=2"], 2,
-         "--parallel needs tfcli's own configuration",
-         files={"m.py": b"raise SystemExit('imported')\n"}),
+                                                         "--parallel", "dp=2,tp=2"], 2,
+         "--parallel dp=2,tp=2: tp=2 splits the model itself, which is computed for tfcli's "
+         "own configuration only", files={"m.py": b"raise SystemExit('imported')\n"}),
+    Case("params-micro-batches-model-refused-before-import", [
+        "params", "--model", "m.py:M", "--parallel", "dp=2", "--micro-batches", "4"], 2,
+         "--micro-batches matters to pipeline stages", files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-model-exits-in-forward", ["params", "--model", "m.py:Quits", "--input",
                                            "x=float32[B,4]", "--seq-len", "4"], 1,
          "the model called sys.exit(5)", files={"m.py": FAIL_OWN_CODE.encode()}),

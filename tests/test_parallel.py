@@ -629,8 +629,8 @@ def test_params_parallel_refuses_a_model_it_cannot_split_with_tp(cli, tmp_path):
     (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(3, 4)\n")
     result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2,tp=2")
     assert result.exit_code == 2
-    assert "--parallel tp=2: tensor parallelism is not computed yet for --model" \
-        in result.stderr
+    assert "--parallel dp=2,tp=2: tp=2 splits the model itself, which is computed for tfcli's " \
+        "own configuration only" in result.stderr
 
 
 def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli, monkeypatch):
@@ -814,14 +814,15 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--parallel", "dp=2,tp=2"], "--parallel tp=2: tensor parallelism is not computed yet "
-                                  "for --model"),
-    (["--parallel", "pp=2"], "pipeline parallelism is not computed yet for --model"),
+    (["--parallel", "dp=2,tp=2"], "--parallel dp=2,tp=2: tp=2 splits the model itself, which "
+                                  "is computed for tfcli's own configuration only"),
+    (["--parallel", "pp=2"], "--parallel pp=2: pp=2 splits the model itself"),
     (["--parallel", "dp=2,zero=3", "--wrap", "Blok"], "--wrap 'Blok': the model has no module "
                                                       "of that class (did you mean 'Block'?)"),
     (["--wrap", "Block"], "--wrap chooses the FSDP units of the per-rank plan"),
     (["--parallel", "dp=2", "--micro-batches", "2", "--seq-len", "8"],
-     "--micro-batches 2: micro-batches in flight matter to pipeline stages, which are not"),
+     "--micro-batches matters to pipeline stages, which are computed for tfcli's own "
+     "configuration only"),
 ])
 def test_params_parallel_for_a_module_bad_input_is_one_line(cli, tmp_path, extra, message):
     (tmp_path / "net.py").write_text(USER_MODULE)

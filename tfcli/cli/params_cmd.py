@@ -86,11 +86,24 @@ TABLE_ONLY = Needs(lambda v: not v.json_out, "not with --json",
                    "{option}: shape the table; --json holds every module whole (drop {it}, or "
                    "drop --json)")
 ONE_DEVICE = Needs(lambda v: v.per_rank is None, "not with --parallel",
-                   "does nothing with {v.per_rank}: the per-rank plan is computed from tfcli's "
-                   "configuration, not a built model's table")
+                   "does nothing with {v.per_rank}: the per-rank plan is a table of memory "
+                   "lines, not of the model's modules")
 TRAINING = Needs(lambda v: not v.inference, "not with --inference",
                  "applies to training memory; --inference counts weights, KV cache and working "
                  "memory only")
+
+def _model_split(v) -> str | None:
+    """The first split of the model itself (tp, pp, cp) that --parallel asks for: computed for
+    tfcli's own configuration only, so refused for --model before its code is imported (as
+    is a --parallel that does not parse)."""
+    from tfcli.parallel.layout import parse_parallel
+
+    if v.parallel is None:
+        return None
+    par = parse_parallel(v.parallel)
+    return next((f"{key}={getattr(par, key)}" for key in ("tp", "pp", "cp")
+                 if getattr(par, key) > 1), None)
+
 
 RULES = Rules(
     Rule(("depth", "expand"), TABLE_ONLY),
@@ -99,6 +112,14 @@ RULES = Rules(
         "only with --dtype fp32",
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
+    Rule("parallel", Needs(
+        lambda v: v.model_ref is None or v.model_split is None, "tp, pp, cp: not with --model",
+        "{option} {value}: {v.model_split} splits the model itself, which is computed for "
+        "tfcli's own configuration only (--preset/--config/--set); for --model, data "
+        "parallelism is (dp=N,zero=0-3)")),
+    Rule("micro_batches", own_model(
+        "{option} matters to pipeline stages, which are computed for tfcli's own "
+        "configuration only (--preset/--config/--set), not yet for --model")),
     Rule("wrap", any_model("{option} applies to --model; tfcli's own model wraps each of its "
                            "layers"),
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
@@ -137,7 +158,7 @@ RULES = Rules(
                                "only with --inference --timeline",
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
-    derived={"per_rank": _per_rank,
+    derived={"per_rank": _per_rank, "model_split": _model_split,
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
 
