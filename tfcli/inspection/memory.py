@@ -10,9 +10,10 @@ on the configurations the tests check. Nothing is allocated: a 7B model costs no
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -443,6 +444,14 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                          ) -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
     and a line saying how it was found; ``units``: see simulate_training_step."""
+    if units is None and _remembers(subject):
+        estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype, mixed,
+                                    kernel)
+        return replace(estimate, saved_bytes=dict(estimate.saved_bytes)), how
+    return _replay_activations(subject, sizes, dtype, mixed, kernel, units)
+
+
+def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None):
     build, make_inputs = _replay_args(subject, sizes, dtype)
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
@@ -456,6 +465,13 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                        timeline=None) -> int:
+    if timeline is None and _remembers(subject):
+        return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed, optimizer, kernel,
+                           keep_grads)
+    return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline)
+
+
+def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline=None):
     build, make_inputs = _replay_args(subject, sizes, dtype)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
                          DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
@@ -464,8 +480,41 @@ def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
                           on_op: Callable | None = None) -> int:
+    if on_op is None and _remembers(subject):
+        return _own_replay("forward", subject.cfg, _key(sizes), dtype, kernel)
+    return _replay_forward(subject, sizes, dtype, kernel, on_op)
+
+
+def _replay_forward(subject, sizes, dtype, kernel, on_op=None):
     build, make_inputs = _replay_args(subject, sizes, dtype)
     return simulate_forward(build, make_inputs, kernel, on_op)
+
+
+# --- replays of tfcli's own model, remembered ---------------------------------------------------
+# A replay of tfcli's own model is a function of its configuration (a frozen value), the sizes
+# and the options: asked again in one process (the guard before a run and the run's own line,
+# --fit's search, a library caller, the test suite) it is answered from here. A model built
+# from the user's code is replayed every time: the code may have changed.
+
+
+def _remembers(subject) -> bool:
+    from tfcli.subjects.own import OwnSubject
+
+    return type(subject) is OwnSubject
+
+
+def _key(sizes: dict[str, int]) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _own_replay(kind: str, cfg, sizes: tuple, dtype: str, *options):
+    """``options``: the replay function's own arguments after ``dtype``, in its order."""
+    from tfcli.subjects.own import OwnSubject
+
+    replay = {"activations": _replay_activations, "step": _replay_step,
+              "forward": _replay_forward}[kind]
+    return replay(OwnSubject(cfg), dict(sizes), dtype, *options)
 
 
 def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
