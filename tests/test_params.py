@@ -316,6 +316,42 @@ def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mi
     assert estimate == pytest.approx(profile_peak_bytes(step), rel=0.02)
 
 
+def test_a_frozen_step_is_replayed_frozen():
+    """--freeze: the frozen layers get no gradients and no optimizer state, and autograd keeps
+    nothing for their weights' gradients; the replay built the model unfrozen, so its peak
+    held both (gpt2-small at 2 layers, B = 2, L = 48: the real step's peak is what the replay
+    with the layers frozen gives, and less than the unfrozen one's)."""
+    from tfcli.inspection.memory import estimate_activations, estimate_step_peak
+    from tfcli.inspection.params import freeze
+
+    subject = OwnSubject(get_preset("gpt2-small").replace(n_decoder_layers=2,
+                                                          tgt_vocab_size=1000))
+    sizes, frozen = dict(B=2, S=48, T=48), ("decoder.layers.*",)
+    replayed = estimate_step_peak(subject, sizes, "fp32", None, "adamw", freeze=frozen)
+    assert replayed < estimate_step_peak(subject, sizes, "fp32", None, "adamw")
+    torch.manual_seed(0)
+    model = subject.build("cpu").train()
+    freeze(model, list(frozen))
+    optimizer = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    inputs = subject.make_inputs(model, sizes, "cpu")
+
+    def step():
+        out = subject.loss(inputs(model))
+        out.backward()
+        del out
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    assert replayed == pytest.approx(profile_peak_bytes(step), rel=0.01)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    activations, how = estimate_activations(subject, sizes, freeze=frozen)
+    assert "decoder.layers.* frozen" in how
+    assert activations.peak_bytes == pytest.approx(
+        profile_peak_bytes(lambda: subject.loss(inputs(model)).backward()), rel=0.01)
+
+
 @pytest.mark.parametrize("kernel,backend", [("math", "MATH"), ("flash", "FLASH_ATTENTION")])
 def test_activations_for_an_assumed_kernel_match_the_profiler(kernel, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -319,7 +319,7 @@ def params(
                               f"DynamicCache grows (a rolling buffer with a sliding window)"})
         else:
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
-                                                        kernel)
+                                                        kernel, freeze=tuple(freeze or ()))
             how += f"; attention kernel: {assumed}, on {device.value}"
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
@@ -336,7 +336,7 @@ def params(
             memory.append(mem.training_peak_line(
                 subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
                 by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
-                recorder))
+                recorder, tuple(freeze or ())))
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
                 written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {

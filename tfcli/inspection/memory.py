@@ -427,8 +427,18 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
     return lines
 
 
-def _replay_args(subject, sizes: dict[str, int], dtype: str):
-    build = lambda: subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None)  # noqa: E731
+def _replay_args(subject, sizes: dict[str, int], dtype: str, freeze: tuple[str, ...] = ()):
+    """The replay's build (with ``freeze``'s parameters frozen, as the user's run will have
+    them: no gradients, no optimizer state, and autograd keeps nothing for them alone) and
+    its inputs."""
+    def build() -> nn.Module:
+        model = subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None)
+        if freeze:
+            from tfcli.inspection.params import freeze as apply_freeze
+
+            apply_freeze(model, list(freeze))
+        return model
+
     return build, (lambda model: subject.make_inputs(model, sizes, "cpu"))
 
 
@@ -440,39 +450,44 @@ def _sizes_text(subject, sizes: dict[str, int]) -> str:
 
 def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                          mixed: str | None = None, kernel: str = "auto",
-                         units: Callable[[nn.Module], list[nn.Module]] | None = None
-                         ) -> tuple[ActivationEstimate, str]:
+                         units: Callable[[nn.Module], list[nn.Module]] | None = None,
+                         freeze: tuple[str, ...] = ()) -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
-    and a line saying how it was found; ``units``: see simulate_training_step."""
+    and a line saying how it was found; ``units``: see simulate_training_step; ``freeze``:
+    --freeze's patterns."""
     if units is None and _remembers(subject):
-        estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype, mixed,
-                                    kernel)
+        estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype,
+                                    mixed=mixed, kernel=kernel, freeze=tuple(freeze))
         return replace(estimate, saved_bytes=dict(estimate.saved_bytes)), how
-    return _replay_activations(subject, sizes, dtype, mixed, kernel, units)
+    return _replay_activations(subject, sizes, dtype, mixed, kernel, units, tuple(freeze))
 
 
-def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None):
-    build, make_inputs = _replay_args(subject, sizes, dtype)
+def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze=()):
+    build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
                                       kernel=kernel, units=units)
     how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
            f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
+           + (f", {', '.join(freeze)} frozen" if freeze else "")
            + "".join(f"; {line}" for line in subject.assumptions()))
     return estimate, how
 
 
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str = "auto", keep_grads: bool = False,
-                       timeline=None) -> int:
+                       timeline=None, freeze: tuple[str, ...] = ()) -> int:
     if timeline is None and _remembers(subject):
-        return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed, optimizer, kernel,
-                           keep_grads)
-    return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline)
+        return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
+                           optimizer=optimizer, kernel=kernel, keep_grads=keep_grads,
+                           freeze=tuple(freeze))
+    return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
+                        tuple(freeze))
 
 
-def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline=None):
-    build, make_inputs = _replay_args(subject, sizes, dtype)
+def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline=None,
+                 freeze=()):
+    build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
                          DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
                          timeline=timeline)
@@ -481,7 +496,7 @@ def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, ti
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
                           on_op: Callable | None = None) -> int:
     if on_op is None and _remembers(subject):
-        return _own_replay("forward", subject.cfg, _key(sizes), dtype, kernel)
+        return _own_replay("forward", subject.cfg, _key(sizes), dtype, kernel=kernel)
     return _replay_forward(subject, sizes, dtype, kernel, on_op)
 
 
@@ -507,24 +522,28 @@ def _key(sizes: dict[str, int]) -> tuple:
     return tuple(sorted(sizes.items()))
 
 
+def _own_replay(kind: str, cfg, sizes: tuple, dtype: str, **options):
+    """``options``: the replay function's own keyword arguments (all hashable)."""
+    return _own_replay_of(kind, cfg, sizes, dtype, tuple(sorted(options.items())))
+
+
 @functools.lru_cache(maxsize=256)
-def _own_replay(kind: str, cfg, sizes: tuple, dtype: str, *options):
-    """``options``: the replay function's own arguments after ``dtype``, in its order."""
+def _own_replay_of(kind: str, cfg, sizes: tuple, dtype: str, options: tuple):
     from tfcli.subjects.own import OwnSubject
 
     replay = {"activations": _replay_activations, "step": _replay_step,
               "forward": _replay_forward}[kind]
-    return replay(OwnSubject(cfg), dict(sizes), dtype, *options)
+    return replay(OwnSubject(cfg), dict(sizes), dtype, **dict(options))
 
 
 def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str, keep_grads: bool, resident: int,
-                       grads: int, timeline=None) -> MemoryLine:
+                       grads: int, timeline=None, freeze: tuple[str, ...] = ()) -> MemoryLine:
     """The peak of one steady-state training step: what exists before it (weights, buffers,
     optimizer state, kept gradients) plus the replayed step's own peak above that;
     ``timeline`` (a TimelineRecorder) records the same replay's events."""
     step = estimate_step_peak(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                              timeline)
+                              timeline, freeze)
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
