@@ -14,6 +14,7 @@ rows are checked below."""
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 from pathlib import Path
 
@@ -124,11 +125,14 @@ MASKS.update(
     whisper=["--causal", "decoder_input_ids"],
     clip=["--lengths", "input_ids=9,4", "--pad-id", "1"],
 )
-del MASKS["vit"]  # no mask argument: every patch attends to every patch
-# attention calls the check cannot tie to an input yet (issue 22): the image and audio towers,
-# whose lengths no sequence input has (patches, frames), and Whisper's cross-attention to them
-UNTIED = {"whisper": ("model.encoder.layers.", "model.decoder.layers."),
-          "clip": ("vision_model.encoder.layers.",)}
+MASKS["vit"] = []  # no mask argument: nothing to ask, only what the model itself must do
+# attention along lengths no input has (patches and a class token, audio frames after the
+# encoder's convolutions) and no mask reaches: held to "no key blocked" (the model's own
+# design), by the tower it is in: the image towers, Whisper's encoder and its cross-attention
+UNMASKED = {"vit": {"vit.layers.": "vision tower"},
+            "clip": {"vision_model.": "vision tower"},
+            "whisper": {"model.encoder.layers.": "audio encoder",
+                        ".encoder_attn": "audio encoder"}}
 
 
 def config_of(name: str):
@@ -221,18 +225,128 @@ def test_masks_check(cli, zoo, lean, name):
     result = cli("masks", "--model", f"hf:{zoo[name]}", "--check", *MASKS[name], "--json")
     check = json.loads(result.stdout)["check"]
     status = {c["name"]: c["status"] for c in check["checks"]}
-    assert "failed" not in status.values(), status
+    assert all(s == "passed" for s in status.values()), status
+    assert (check["verdict"], result.exit_code) == ("passed", 0)
     asked = [c for c in status if c.startswith(("causality of", "padding of"))]
-    assert asked and all(status[c] == "passed" for c in asked)
-    ran = [c for c in status if c.startswith("attention ") and status[c] == "passed"]
-    assert len(ran) >= 2  # a call per layer at least, checked against the model's weights
-    untied = [c for c, s in status.items() if s != "passed"]
-    if name in UNTIED:  # not hidden: INCOMPLETE, exit 3, the calls named
-        assert untied and all(c.startswith(tuple(f"attention {p}" for p in UNTIED[name]))
-                              for c in untied), untied
-        assert (check["verdict"], result.exit_code) == ("incomplete", 3)
-    else:
-        assert untied == [] and (check["verdict"], result.exit_code) == ("passed", 0)
+    assert asked or name == "vit"  # ViT: nothing to ask, its calls are the check
+    calls = {c["name"]: c["asserted"] for c in check["checks"] if c["name"].startswith(
+        "attention ")}
+    assert len(calls) >= 2  # a call per layer at least, checked against the model's weights
+    for call, asserted in calls.items():  # each tower's calls held to what it must do
+        where = next((w for part, w in UNMASKED.get(name, {}).items() if part in call), None)
+        assert asserted == (f"no key blocked: {where}, no mask asked" if where else asserted)
+        assert where or not asserted.startswith("no key blocked"), (call, asserted)
+    if name in UNMASKED:
+        assert {w for w in UNMASKED[name].values()} == {
+            a.split(": ")[1].split(",")[0] for a in calls.values() if a.startswith("no key")}
+
+
+def _causal_vit(monkeypatch):
+    """ViT's eager attention given a causal mask, as a vision encoder copied from a decoder
+    might: each patch sees only the patches before it."""
+    vit = pytest.importorskip("transformers.models.vit.modeling_vit")
+    eager = vit.eager_attention_forward
+
+    def causal(module, query, key, value, attention_mask, **kwargs):
+        mask = torch.full((query.size(-2), key.size(-2)), float("-inf")).triu(1)
+        return eager(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(vit, "eager_attention_forward", causal)
+
+
+def _padded_whisper_frames(monkeypatch):
+    """Whisper's cross-attention given a padding mask that belongs to no input: the decoder
+    no longer sees the last 3 of the encoder's frames."""
+    whisper = pytest.importorskip("transformers.models.whisper.modeling_whisper")
+    forward = whisper.WhisperAttention.forward
+
+    def padded(self, *args, **kwargs):
+        bound = inspect.signature(forward).bind(self, *args, **kwargs)
+        frames, queries = bound.arguments.get("key_value_states"), bound.arguments["hidden_states"]
+        if frames is not None and bound.arguments.get("attention_mask") is None:
+            mask = torch.zeros(queries.size(0), 1, queries.size(1), frames.size(1))
+            mask[..., -3:] = float("-inf")
+            bound.arguments["attention_mask"] = mask
+        return forward(*bound.args, **bound.kwargs)
+
+    monkeypatch.setattr(whisper.WhisperAttention, "forward", padded)
+
+
+def _transformers_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Each attention call's weights as Transformers itself returns them (output_attentions,
+    eager attention), by the module the check names, on the model and inputs masks --check
+    builds (seed 0, the subject's inputs at its default sizes)."""
+    from tfcli.subjects import resolve_subject
+
+    subject = resolve_subject(model=f"hf:{path}", attn_implementation="eager")
+    torch.manual_seed(0)
+    model = subject.build("cpu").eval()
+    inputs = subject.make_inputs(model, subject.default_sizes, "cpu")
+    with torch.no_grad():
+        out = model(**inputs.kwargs, output_attentions=True)
+    if "encoder_attentions" in out:  # Whisper: its encoder's calls and its cross-attention
+        return {**{f"model.encoder.layers.{i}.self_attn": w
+                   for i, w in enumerate(out.encoder_attentions)},
+                **{f"model.decoder.layers.{i}.encoder_attn": w
+                   for i, w in enumerate(out.cross_attentions)}}
+    return {f"vit.layers.{i}.attention": w for i, w in enumerate(out.attentions)}
+
+
+@pytest.mark.parametrize("name, broken, hit", [
+    ("vit", None, None), ("vit", _causal_vit, "vit.layers."),
+    ("whisper", None, None), ("whisper", _padded_whisper_frames, ".encoder_attn")])
+def test_no_key_blocked_is_what_transformers_weights_show(cli, zoo, lean, monkeypatch, name,
+                                                          broken, hit):
+    """The calls along patches and audio frames, judged on the eager path where Transformers
+    itself returns the weights: sound, each call's smallest weight is Transformers' own (and
+    the check passes); broken (a causal mask in the image encoder, a padding mask on the
+    audio frames), the check FAILS on exactly the calls the bug is in (``hit``), naming the
+    first key Transformers' weights give nothing and how many query rows lost a key, and
+    passes the others."""
+    if broken is not None:
+        broken(monkeypatch)
+    result = cli("masks", "--model", f"hf:{zoo[name]}", "--check", *MASKS[name],
+                 "--attn-implementation", "eager", "--json")
+    checks = {c["name"].removeprefix("attention "): c for c in
+              json.loads(result.stdout)["check"]["checks"]}
+    reference = _transformers_weights(zoo[name])
+    unmasked = {path: c for path, c in checks.items()
+                if (c["asserted"] or "").startswith("no key blocked")}
+    assert set(unmasked) == set(reference)
+    for path, weights in reference.items():
+        detail = unmasked[path]["detail"]
+        assert f"smallest weight a real query put on a key = {float(weights.min()):.3g}" \
+            in detail, detail
+        blocked = weights.flatten(0, 1) <= 1e-6 / weights.size(-1)
+        assert bool(blocked.any()) == bool(hit and hit in path)  # the bug, where it was put
+        assert unmasked[path]["status"] == ("failed" if blocked.any() else "passed")
+        if blocked.any():
+            _, query, key = blocked.nonzero()[0].tolist()
+            rows = f"{int(blocked.any(-1).sum())} of {blocked.shape[0] * blocked.shape[1]}"
+            assert f"(e.g. query {query} on key {key}; {rows} real query rows" in detail
+    others = [c["status"] for path, c in checks.items() if path not in unmasked]
+    assert others and set(others) == {"passed"}
+    assert result.exit_code == (1 if broken else 0), result.stdout
+
+
+def test_a_causal_vision_encoder_fails_on_sdpa(cli, zoo, lean, monkeypatch):
+    """The same bug on the SDPA path (is_causal set on ViT's attention modules): torch's
+    causal SDPA leaves query 0 only key 0, and the check says so on every layer."""
+    vit = pytest.importorskip("transformers.models.vit.modeling_vit")
+    init = vit.ViTAttention.__init__
+
+    def causal(self, config):
+        init(self, config)
+        self.is_causal = True
+
+    monkeypatch.setattr(vit.ViTAttention, "__init__", causal)
+    result = cli("masks", "--model", f"hf:{zoo['vit']}", "--check")
+    assert result.exit_code == 1
+    failed = [line for line in result.stdout.splitlines() if line.startswith("  ✗ attention")]
+    assert len(failed) == TINY["vit"][1]["num_hidden_layers"], result.stdout
+    assert all("pattern no key blocked: vision tower, no mask asked; smallest weight a real "
+               "query put on a key = 0 (e.g. query 0 on key 1;" in line for line in failed)
+    assert "FAILED: 2 of 3 checks failed" in result.stdout
 
 
 # bench on one architecture per path through it: a decoder with SDPA and one with eager

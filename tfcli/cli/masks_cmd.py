@@ -378,7 +378,9 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
             if letter not in bound:  # padded to the longest, unless --dim says how far
                 dims[letter] = max(max(lens), 1)
                 padded.add(letter)
-    _apart(dims, padded, set(subject.length_dims()))
+    # Lengths no mask reaches (an image's patches) are told apart from padded ones too.
+    unmasked = subject.unmasked_lengths(dims)
+    _apart(dims, padded, set(subject.length_dims()), {n for n, _, _ in unmasked.values()})
     # The largest run the check makes: the padding-length check adds GROW positions.
     longest = {k: n + (GROW if k in padded else 0) for k, n in dims.items()}
     guard_run(subject, longest, "masks --model (built on cpu)", max_memory, run="observed")
@@ -388,7 +390,7 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         model = subject.build("cpu").eval()
         inputs = subject.make_inputs(model, dims, "cpu")
         plan = make_plan(subject, model, inputs, lengths, causal, mask_options, pad_id,
-                         embedding_limit(model), windows)
+                         embedding_limit(model), windows, unmasked)
         if batch_index >= plan.batch:
             raise TfcliError(f"--batch-index {batch_index}: the batch has {plan.batch} "
                              f"sequences (0..{plan.batch - 1})")
@@ -422,13 +424,15 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
         raise typer.Exit(verdict.exit_code)
 
 
-def _apart(dims: dict[str, int], padded: set[str], used: set[str]) -> None:
+def _apart(dims: dict[str, int], padded: set[str], used: set[str],
+           others: set[int] = frozenset()) -> None:
     """Give each padded length letter a size no other length letter in use has, nor the
-    batch: the check tells attention calls apart by their query and key lengths, and an
-    output's axes by their sizes (more padding changes nothing)."""
+    batch, nor ``others`` (lengths no input has): the check tells attention calls apart by
+    their query and key lengths, and an output's axes by their sizes (more padding changes
+    nothing)."""
     for letter in sorted(padded):
-        while any(n == dims[letter] for k, n in dims.items()
-                  if k != letter and (k in used or k == "B")):
+        while dims[letter] in others or any(n == dims[letter] for k, n in dims.items()
+                                            if k != letter and (k in used or k == "B")):
             dims[letter] += 1
 
 

@@ -42,6 +42,7 @@ TOLERANCE = 1e-5  # of each output channel's largest magnitude (see tolerance())
 SEED = 0  # every run of the model starts from the same random state
 GROW = 2  # padded positions the padding-length check adds
 WEIGHT_TOLERANCE = 1e-6  # a blocked key's weight: exp(-1e9) and exp(-inf) are exactly 0
+UNBLOCKED = "no key blocked"  # what attention along a length no mask reaches is held to
 
 
 @dataclass
@@ -49,13 +50,15 @@ class Check:
     name: str
     status: str  # "passed", "failed", "not checked"
     detail: str
+    asserted: str | None = None  # an attention call's: the pattern its weights were held to
 
     @property
     def ok(self) -> bool | None:
         return {"passed": True, "failed": False}.get(self.status)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail}
+        return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail,
+                "asserted": self.asserted}
 
 
 def _judged(name: str, move: Move, detail: str) -> Check:
@@ -85,6 +88,8 @@ class Plan:
     high: int  # token ids are drawn below this
     windows: dict[str, tuple[int, bool]] = field(default_factory=dict)  # letter -> (W, causal)
     notes: list[str] = field(default_factory=list)
+    # lengths no mask reaches (patches, audio frames): letter -> (size, where, what they are)
+    unmasked: dict[str, tuple[int, str, str]] = field(default_factory=dict)
 
     def values(self, model: nn.Module) -> dict[str, Tensor]:
         """The sequences as the plan feeds them (padded positions filled)."""
@@ -419,7 +424,9 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
             "no infinity", "failed",
             f"{int(infinite.sum())} of {infinite.numel()} output values are ±inf; a change "
             f"there cannot be seen, so no check can vouch for those positions"))
-    if not plan.causal and not any(not bool(v.all()) for v in plan.valid.values()):
+    attention = _attention_checks(plan, seen.calls)
+    if not plan.causal and not any(not bool(v.all()) for v in plan.valid.values()) \
+            and not any((c.asserted or "").startswith(UNBLOCKED) for c in attention):
         verdict.checks.append(Check("what to check", "not checked", (
             "nothing was asserted: name a causal input with --causal NAME, or padding with "
             "--lengths NAME=N,N")))
@@ -445,7 +452,7 @@ def check(model: nn.Module, plan: Plan, say: Callable[[str], None] = lambda _: N
                 c.status, c.detail = "not checked", (
                     "the model's output on the same inputs changed over the check's runs (it "
                     "depends on how often it was called), so comparing runs proves nothing")
-    verdict.checks.extend(_attention_checks(plan, seen.calls))
+    verdict.checks.extend(attention)
     return verdict
 
 
@@ -599,7 +606,8 @@ def drawn(calls: list) -> list[Drawn]:
 
 
 def _letter_of(size: int, plan: Plan) -> list[str]:
-    return [letter for letter, n in plan.sizes.items() if n == size]
+    return [letter for letter, n in plan.sizes.items() if n == size] + \
+        [letter for letter, (n, _, _) in plan.unmasked.items() if n == size]
 
 
 def _attention_checks(plan: Plan, calls: list) -> list[Check]:
@@ -648,6 +656,8 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check | No
     if q == k and k in plan.windows:
         expected &= maskargs.band(q_len, k_len, *plan.windows[k])
         parts.append(f"window {plan.windows[k][0]}")
+    if not parts and (k in plan.unmasked or q in plan.unmasked):
+        return _judge_unblocked(plan, label, how, weights, q, k)
     if not parts:  # nothing asserted along its axes: no check to list (nor to pass)
         return None
     real = plan.valid.get(q, torch.ones(plan.batch, q_len, dtype=torch.bool))
@@ -671,7 +681,41 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check | No
     if worst > WEIGHT_TOLERANCE:
         where = (on_blocked > WEIGHT_TOLERANCE).nonzero()[0].tolist()
         detail += f" (e.g. query {where[1]} on key {where[2]})"
-    return Check(label, "failed" if worst > WEIGHT_TOLERANCE or nan else "passed", detail)
+    return Check(label, "failed" if worst > WEIGHT_TOLERANCE or nan else "passed", detail,
+                 asserted=pattern)
+
+
+def _judge_unblocked(plan: Plan, label: str, how: str, weights: Tensor, q: str,
+                     k: str) -> Check:
+    """A call along a length no mask reaches (an image's patches, audio frames), keys or
+    queries: every real query must give every key a weight. A key counts as blocked below
+    WEIGHT_TOLERANCE of the even share 1/K: a mask leaves exactly 0 (exp(-inf), exp(-1e9)),
+    while unmasked scores of a model built from its configuration differ by a few units."""
+    q_len, k_len = weights.shape[-2:]
+    where, _ = next((plan.unmasked[x][1:] for x in (k, q) if x in plan.unmasked))
+    pattern = f"{UNBLOCKED}: {where}, no mask asked"
+    rows = weights.reshape(-1, q_len, k_len).float()
+    per = rows.size(0) // plan.batch if rows.size(0) % plan.batch == 0 else None
+    judged = torch.ones(rows.size(0), q_len, dtype=torch.bool)
+    if q in plan.valid and per is not None:  # padded queries (a decoder's) are not judged
+        judged = plan.valid[q].repeat_interleave(per, 0)
+    got = rows.masked_fill(~judged[..., None], math.inf)
+    floor = WEIGHT_TOLERANCE / k_len
+    blocked = got.nan_to_num(0.0) <= floor
+    nan = bool(rows[judged].isnan().any())
+    smallest = float(got.nan_to_num(0.0).amin()) if bool(judged.any()) else math.nan
+    lengths = "; ".join(f"{x}: {plan.unmasked[x][2]}" for x in dict.fromkeys((q, k))
+                        if x in plan.unmasked)
+    detail = (f"{how}, queries {q} × keys {k} ({lengths}), pattern {pattern}; smallest weight "
+              f"a real query put on a key = {smallest:.3g}" + (", NaN in its weights" if nan
+                                                               else ""))
+    if bool(blocked.any()):
+        first = blocked.nonzero()[0].tolist()
+        rows_hit = int(blocked.any(-1).sum())
+        detail += (f" (e.g. query {first[1]} on key {first[2]}; {rows_hit} of "
+                   f"{int(judged.sum())} real query rows, heads counted apart, blocked a key)")
+    return Check(label, "failed" if bool(blocked.any()) or nan else "passed", detail,
+                 asserted=pattern)
 
 
 # --- what the check is asked ------------------------------------------------------------------
@@ -679,10 +723,12 @@ def _judge_call(plan: Plan, label: str, how: str, weights: Tensor) -> Check | No
 
 def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list[int] | Tensor],
               causal_names: list[str], mask_options: dict[str, str], pad_id: int | None,
-              high: int, windows: dict[str, int] | None = None) -> Plan:
+              high: int, windows: dict[str, int] | None = None,
+              unmasked: dict[str, tuple[int, str, str]] | None = None) -> Plan:
     """The plan for ``inputs``: sequences (the inputs with a length axis), mask arguments with
     their axes and known conventions, padding per length letter and the causal letters.
-    ``lengths``: input name -> real length per sequence, or [B, L] bool (True = real)."""
+    ``lengths``: input name -> real length per sequence, or [B, L] bool (True = real);
+    ``unmasked``: the subject's lengths no mask reaches (Subject.unmasked_lengths)."""
     named = {k: v for k, v in inputs.named(model).items() if isinstance(v, Tensor)}
     known = subject.mask_conventions()
     def one_length(name: str) -> bool:  # [B, L, …]: a sequence, whatever its name
@@ -804,13 +850,15 @@ def make_plan(subject, model: nn.Module, inputs: Inputs, lengths: dict[str, list
                              f"sequences: {', '.join(seqs) or 'none'})")
         declared[seqs[name].letter] = (width, seqs[name].letter in causal)
     plan = Plan(Inputs(inputs.args, inputs.kwargs), seqs, masks, valid, causal, sizes, batch,
-                pad_id, high, windows=declared)
+                pad_id, high, windows=declared,
+                unmasked={k: v for k, v in (unmasked or {}).items() if k not in sizes})
     for name, value in values.items():
         if name in seqs:
             plan.base = plan.base.replace(model, name, value)
-    clashes = sorted({n for n in sizes.values() if list(sizes.values()).count(n) > 1})
+    every = {**sizes, **{k: n for k, (n, _, _) in plan.unmasked.items()}}
+    clashes = sorted({n for n in every.values() if list(every.values()).count(n) > 1})
     if clashes:
-        plan.notes.append(f"lengths {', '.join(k for k, v in sizes.items() if v in clashes)} "
+        plan.notes.append(f"lengths {', '.join(k for k, v in every.items() if v in clashes)} "
                           f"are equal ({clashes[0]}): attention calls between them cannot be "
                           f"told apart by their lengths")
     return plan

@@ -398,6 +398,13 @@ class Subject:
         """Length letter -> (sliding window W, causal?) the model's attention keeps to."""
         return {}
 
+    def unmasked_lengths(self, sizes: dict[str, int]) -> dict[str, tuple[int, str, str]]:
+        """Lengths no mask argument reaches, attended over in full by the model's design (an
+        image's patches, audio frames after an encoder's convolutions): letter -> (size, the
+        part of the model that attends over them, what they are). Attention along them must
+        block no key."""
+        return {}
+
     # Code that reads values in its forward (Transformers' mask preparation calls .item())
     # cannot run on meta; fake tensors run it, and such code treats them as tracing.
     runs_on_meta = True

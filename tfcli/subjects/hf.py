@@ -422,6 +422,21 @@ class HFSubject(Subject):
             out["S"] = sizes["N"] // 2
         return out
 
+    def unmasked_lengths(self, sizes: dict[str, int]) -> dict[str, tuple[int, str, str]]:
+        """The patches of the image tower, with or without a class token (ViT and CLIP
+        prepend one, SigLIP none: both lengths are offered, the call's length picks), and
+        the positions Whisper's encoder makes of its frames. Transformers gives neither a
+        mask argument."""
+        if self.input_specs:  # the user's --input describes the model: nothing known here
+            return {}
+        derived, out = self.derived_dims(sizes), {}
+        if "P" in derived:
+            out["P"] = (derived["P"], "vision tower", "image patches")
+            out["P+1"] = (derived["P"] + 1, "vision tower", "image patches and a class token")
+        if "N" in self.dims_used() and "S" in derived:
+            out["S"] = (derived["S"], "audio encoder", "audio frames after its convolutions")
+        return out
+
     def tokens(self, sizes: dict[str, int]) -> int:
         derived = self.derived_dims(sizes)
         if "P" in derived and self.length_dims() == ["H", "W"]:
