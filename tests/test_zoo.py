@@ -1,15 +1,16 @@
 """The zoo (issue 22): 21 published architectures — decoders, encoders, encoder-decoders,
-mixtures of experts, vision and speech — through params, shapes and masks --check (all that
-have a mask), and one short bench cell for one architecture per path through bench, each from
-a Transformers configuration written here.
+mixtures of experts, vision and speech — through params, shapes and masks --check (ViT, with
+no mask to ask, on its attention calls alone), and one short bench cell for one architecture
+per path through bench, each from a Transformers configuration written here.
 
 Each tiny configuration keeps the shape of the published one (its activation, norms, position
 scheme, query to K/V head ratio, tie flags, experts per token) at 2 layers and a few dozen
 channels. The references are nobody's here: Transformers' own model for the parameter count,
 torch's FlopCounterMode for the FLOPs (shapes runs it over the same pass and reconciles), the
-model's own attention weights and outputs for the mask check. FULL holds each architecture's
-published hyperparameters, from which the README's table of full-size counts was made; a few
-rows are checked below."""
+model's own attention weights and outputs for the mask check, and Transformers' own
+output_attentions where no mask reaches (image patches, audio frames). FULL holds each
+architecture's published hyperparameters, from which the README's table of full-size counts
+was made; a few rows are checked below."""
 
 from __future__ import annotations
 
