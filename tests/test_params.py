@@ -282,38 +282,98 @@ def test_batch_size_on_a_model_whose_inputs_have_no_batch_letter(cli):
     assert "have no B dimension (they use L)" in result.stderr, result.stderr
 
 
-STEP_CASES = [  # encoder-decoder, decoder-only, encoder-only, autocast bf16
-    ("tiny", {}, None),
-    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), None),
-    ("bert-base", dict(n_encoder_layers=2, src_vocab_size=1000), None),
-    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), "bf16"),
+STEP_CASES = [  # encoder-decoder, decoder-only, encoder-only, autocast bf16; AdamW's three
+    # implementations (for-loop is PyTorch's default on the CPU, foreach on CUDA)
+    ("tiny", {}, None, "for-loop"),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), None, "for-loop"),
+    ("bert-base", dict(n_encoder_layers=2, src_vocab_size=1000), None, "for-loop"),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), "bf16", "for-loop"),
+    ("tiny", {}, None, "foreach"),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), None, "foreach"),
+    ("gpt2-small", dict(n_decoder_layers=2, tgt_vocab_size=1000), "bf16", "foreach"),
+    ("tiny", {}, None, "fused"),
 ]
+_IMPL = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
-@pytest.mark.parametrize("name,overrides,mixed", STEP_CASES)
-def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mixed):
-    """Forward, backward, AdamW's step and zero_grad(set_to_none=True), after one warm-up step
-    (the optimizer state exists): the replay against the CPU profiler's peak of the real step."""
-    from tfcli.inspection.memory import DTYPES, estimate_step_peak
+@pytest.mark.parametrize("name,overrides,mixed,impl", STEP_CASES)
+def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mixed, impl):
+    """Forward, backward, AdamW's step (``impl`` forced) and zero_grad(set_to_none=True), after
+    one warm-up step (the optimizer state exists): the replay against the CPU profiler's peak
+    of the real step, and its optimizer-step temporaries against the profiler's peak of
+    optimizer.step() alone."""
+    from tfcli.inspection.memory import DTYPES, estimate_step
 
     subject = OwnSubject(get_preset(name).replace(**overrides))
     sizes = dict(B=2, S=48, T=48)
-    estimate = estimate_step_peak(subject, sizes, "fp32", mixed, "adamw")
+    estimate = estimate_step(subject, sizes, "fp32", mixed, "adamw", optimizer_impl=impl)
     torch.manual_seed(0)
     model = subject.build("cpu").train()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), **_IMPL[impl])
     inputs = subject.make_inputs(model, sizes, "cpu")
 
-    def step():
+    def forward_backward():
         with torch.autocast("cpu", dtype=DTYPES[mixed or "bf16"], enabled=mixed is not None):
             out = subject.loss(inputs(model))
         out.backward()
-        del out
+
+    def step():
+        forward_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    assert estimate == pytest.approx(profile_peak_bytes(step), rel=0.02)
+    assert estimate.peak == pytest.approx(profile_peak_bytes(step), rel=0.02)
+    forward_backward()
+    measured = profile_peak_bytes(optimizer.step)  # + the 4-byte step counters it adds
+    assert measured - 64 <= estimate.optimizer_temporaries <= measured
+    n_params = sum(p.numel() for p in model.parameters())
+    if impl == "foreach":  # a sqrt of exp_avg_sq for every parameter at once: sizeof(params)
+        assert estimate.optimizer_temporaries >= 4 * n_params
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_the_optimizer_implementation_follows_the_device(cli):
+    """--optimizer-impl auto is what PyTorch picks (CPU: for-loop, CUDA: foreach); foreach
+    holds a temporary per parameter at once, fused none; a forced choice is replayed."""
+    def lines(*args):
+        out = cli("params", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2",
+                  "--optimizer", "adamw", "--json", *args)
+        assert out.exit_code == 0, out.stderr
+        data = json.loads(out.stdout)
+        return data["optimizer_impl"], {m["name"]: m for m in data["memory"]}
+
+    cpu_impl, cpu = lines()
+    cuda_impl, cuda = lines("--device", "cuda")
+    fused_impl, fused = lines("--device", "cuda", "--optimizer-impl", "fused")
+    assert (cpu_impl, cuda_impl, fused_impl) == ("for-loop", "foreach", "fused")
+    temporaries = "optimizer step temporaries"
+    assert "what PyTorch picks on cuda" in cuda[temporaries]["how"]
+    assert fused[temporaries]["bytes"] == 0
+    assert cuda[temporaries]["bytes"] >= cuda["weights"]["bytes"] > cpu[temporaries]["bytes"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--optimizer-impl", "foreach"], "--optimizer-impl applies"),
+    (["--seq-len", "8", "--optimizer-impl", "fast"], "fast"),
+    (["--seq-len", "8", "--inference", "--optimizer-impl", "fused"], "training memory"),
+    (["--parallel", "dp=2", "--seq-len", "8", "--optimizer-impl", "fused"], "not modelled"),
+])
+def test_optimizer_impl_bad_input(cli, args, words):
+    result = cli("params", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_an_optimizer_impl_torch_lacks_on_the_device_is_refused(cli, monkeypatch):
+    """torch's own table of devices with fused optimizer kernels decides: without the CPU in
+    it, fused on --device cpu is refused in one line, before any replay."""
+    import torch.utils._foreach_utils as foreach_utils
+
+    monkeypatch.setattr(foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    result = cli("params", "--preset", "tiny", "--seq-len", "8", "--optimizer-impl", "fused")
+    assert result.exit_code == 2 and "fused optimizer kernels for cuda only" in result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 def test_a_frozen_step_is_replayed_frozen():

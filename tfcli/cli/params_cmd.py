@@ -31,6 +31,13 @@ class Optimizer(str, Enum):
     sgd = "sgd"
 
 
+class OptimizerImpl(str, Enum):
+    auto = "auto"
+    for_loop = "for-loop"
+    foreach = "foreach"
+    fused = "fused"
+
+
 class Mixed(str, Enum):
     none = "none"
     bf16 = "bf16"
@@ -148,6 +155,10 @@ RULES = Rules(
     Rule("checkpointing", CHANGES_ACTIVATIONS),
     Rule("micro_batches", CHANGES_ACTIVATIONS),
     Rule("optimizer", TRAINING),
+    Rule("optimizer_impl", STEP, TRAINING,
+         Needs(lambda v: v.per_rank is None, "not with --parallel",
+               "is not modelled with {v.per_rank}: the per-rank plan has no optimizer-step "
+               "moment yet; drop {option}, or drop {v.per_rank}")),
     Rule("mixed_precision", TRAINING),
     Rule("keep_grads", TRAINING),
     Rule("timeline", STEP,
@@ -180,6 +191,11 @@ def params(
     dtype: Annotated[DType, typer.Option(help="Parameter dtype for the memory lines.")] = DType.fp32,
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is counted.")
                          ] = Optimizer.adam,
+    optimizer_impl: Annotated[OptimizerImpl, typer.Option(
+        help="How optimizer.step() runs, for the peak line: for-loop (one parameter at a "
+             "time), foreach (every parameter at once: about sizeof(parameters) of "
+             "temporaries), fused (none); auto is what PyTorch picks on --device (CUDA: "
+             "foreach, CPU: for-loop).")] = OptimizerImpl.auto,
     mixed_precision: Annotated[Mixed, typer.Option(
         help="torch.autocast dtype: fp32 weights, grads and optimizer state; half activations."
     )] = Mixed.none,
@@ -260,6 +276,11 @@ def params(
     if seq_len is not None and dtype is DType.int8 and not mixed:
         raise TfcliError("--seq-len with --dtype int8: activations need a floating dtype "
                          "(int8 is counted for weights only)")
+    impl, impl_why = optimizer_impl.value, ""
+    if impl == "auto":
+        impl = mem.default_optimizer_impl(device.value)
+        impl_why = f" (what PyTorch picks on {device.value})"
+    mem.check_optimizer_impl(optimizer.value, impl, device.value)
     kernel = attention_kernel.value
     if kernel == "auto" and device is TrainDevice.cuda:
         kernel = "flash"  # flash or efficient: both keep only the log-sum-exp
@@ -333,15 +354,15 @@ def params(
                 from tfcli.inspection.timeline import TimelineRecorder
 
                 recorder = TimelineRecorder()
-            memory.append(mem.training_peak_line(
+            memory += mem.training_step_lines(
                 subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
                 by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
-                recorder, tuple(freeze or ())))
+                recorder, impl, impl_why, tuple(freeze or ()))
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
                 written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {
                     "what": f"one training step (forward, loss, backward, "
-                            f"{optimizer.value}.step(), zero_grad(set_to_none="
+                            f"{optimizer.value}.step() {impl}, zero_grad(set_to_none="
                             f"{not keep_grads}))",
                     "model": subject.label, "sizes": mem._sizes_text(subject, dims),
                     "precision": precision, "kernel": assumed,
@@ -357,6 +378,7 @@ def params(
                              "summary": m.summary} for m in memory],
                     activations_method=how or None,
                     dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
+                    optimizer_impl=impl if activations is not None else None,
                     subject=subject.describe())
         if cfg is not None:
             data["config"] = cfg.to_dict()

@@ -260,24 +260,84 @@ def assumed_kernel(kernel: str, device: str, dtype: str, mixed: str | None,
 # --- a whole training step, and inference ------------------------------------------------------
 
 
-def _optimizer(name: str, params: list):
+# How optimizer.step() runs over the parameters. PyTorch picks for itself (Adam, AdamW and SGD
+# call torch.optim.optimizer._default_to_fused_or_foreach): foreach where the parameters' device
+# has foreach kernels (CUDA), else the for-loop; fused only when asked for. The temporaries
+# differ: the for-loop holds a few of one parameter's size at a time, foreach holds them for
+# every parameter at once (AdamW: a sqrt of exp_avg_sq per parameter, about sizeof(params)),
+# fused none.
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+_IMPL_ARGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
+              "fused": dict(fused=True)}
+_OPTIMIZER_CLASSES = {"adam": "Adam", "adamw": "AdamW", "sgd-momentum": "SGD", "sgd": "SGD"}
+
+
+def default_optimizer_impl(device: str) -> str:
+    """What PyTorch picks for floating-point parameters on ``device`` (its dtype does not enter
+    the choice): foreach where torch has foreach kernels for the device, else the for-loop."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return "foreach" if device in _get_foreach_kernels_supported_devices() else "for-loop"
+
+
+def check_optimizer_impl(optimizer: str, impl: str, device: str) -> None:
+    """Refuse, in one line, an implementation this torch does not have for ``optimizer`` on
+    ``device`` (the replay forces it on CPU fake tensors, which would not notice)."""
+    import inspect
+
+    from torch.utils._foreach_utils import (_get_foreach_kernels_supported_devices,
+                                            _get_fused_kernels_supported_devices)
+
+    from tfcli.errors import TfcliError
+
+    if impl not in OPTIMIZER_IMPLS:
+        raise TfcliError(f"--optimizer-impl {impl!r}: allowed: {', '.join(OPTIMIZER_IMPLS)}")
+    cls = getattr(torch.optim, _OPTIMIZER_CLASSES[optimizer])
+    flag = "fused" if impl == "fused" else "foreach"
+    supported = (_get_fused_kernels_supported_devices() if impl == "fused" else
+                 _get_foreach_kernels_supported_devices() if impl == "foreach" else [device])
+    if impl != "for-loop" and flag not in inspect.signature(cls).parameters:
+        raise TfcliError(f"--optimizer-impl {impl}: torch {torch.__version__}'s "
+                         f"{cls.__name__} ({optimizer}) has no {impl} implementation; "
+                         f"allowed: for-loop" + (", foreach" if impl == "fused" else ""))
+    if device not in supported and not (impl == "foreach" and device == "cpu"):
+        raise TfcliError(f"--optimizer-impl {impl} on --device {device}: torch "
+                         f"{torch.__version__} has {impl} optimizer kernels for "
+                         f"{', '.join(supported)} only; use for-loop or foreach")
+
+
+def _optimizer(name: str, params: list, impl: str = "for-loop"):
+    """``name`` with ``impl`` forced (never left to PyTorch's choice, which on the replay's CPU
+    fake tensors would be the for-loop whatever the target device)."""
+    forced = _IMPL_ARGS[impl]
     if name == "adam":
-        return torch.optim.Adam(params)
+        return torch.optim.Adam(params, **forced)
     if name == "adamw":
-        return torch.optim.AdamW(params)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0)
+        return torch.optim.AdamW(params, **forced)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0,
+                           **forced)
+
+
+@dataclass(frozen=True)
+class StepReplay:
+    """One replayed training step: its own peak above what exists before it, and the highest
+    bytes ``optimizer.step()`` adds to what is alive when it starts (its temporaries)."""
+    peak: int
+    optimizer_temporaries: int
 
 
 def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
                   loss: Callable[[object], Tensor], optimizer: str,
                   autocast_dtype: torch.dtype | None = None, device: str = "cpu",
-                  kernel: str = "auto", keep_grads: bool = False, timeline=None) -> int:
+                  kernel: str = "auto", keep_grads: bool = False, timeline=None,
+                  optimizer_impl: str = "for-loop") -> StepReplay:
     """Peak bytes of one steady-state training step as PyTorch's default loop runs it —
     forward; backward, gradients allocated as produced while activations are freed;
-    ``optimizer.step()`` with its temporaries; ``zero_grad(set_to_none=not keep_grads)`` —
-    above the weights, buffers, optimizer state, inputs (and kept gradients), which exist
-    before the step. Replayed on fake tensors: nothing is allocated. ``timeline``: a
-    tfcli.inspection.timeline.TimelineRecorder that records every allocation and free."""
+    ``optimizer.step()`` with its temporaries (``optimizer_impl``: for-loop, foreach or fused,
+    forced); ``zero_grad(set_to_none=not keep_grads)`` — above the weights, buffers, optimizer
+    state, inputs (and kept gradients), which exist before the step. Replayed on fake tensors:
+    nothing is allocated. ``timeline``: a tfcli.inspection.timeline.TimelineRecorder that
+    records every allocation and free."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.subjects.base import Inputs
@@ -285,7 +345,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
     with FakeTensorMode():
         model = build().train()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = _optimizer(optimizer, trainable)
+        opt = _optimizer(optimizer, trainable, optimizer_impl)
         for p in trainable:  # one step on zero gradients creates the optimizer's state
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -309,10 +369,14 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
                 out.backward()
             del out
             live.phase("optimizer step")
+            # the step's own high-water mark: the running peak restarts at what is alive now,
+            # and the larger of the two is put back
+            at_start, so_far, live.peak = live.live, live.peak, live.live
             opt.step()
+            temporaries, live.peak = live.peak - at_start, max(so_far, live.peak)
             live.phase("zero_grad")
             opt.zero_grad(set_to_none=not keep_grads)
-    return live.peak
+    return StepReplay(live.peak, temporaries)
 
 
 def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
@@ -476,21 +540,32 @@ def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze
 
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str = "auto", keep_grads: bool = False,
-                       timeline=None, freeze: tuple[str, ...] = ()) -> int:
+                       timeline=None, optimizer_impl: str = "for-loop",
+                       freeze: tuple[str, ...] = ()) -> int:
+    return estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
+                         optimizer_impl, freeze).peak
+
+
+def estimate_step(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
+                  optimizer: str, kernel: str = "auto", keep_grads: bool = False,
+                  timeline=None, optimizer_impl: str = "for-loop",
+                  freeze: tuple[str, ...] = ()) -> StepReplay:
+    """The replayed step (see simulate_step) of ``subject`` at ``sizes``; ``freeze``:
+    --freeze's patterns."""
     if timeline is None and _remembers(subject):
         return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
                            optimizer=optimizer, kernel=kernel, keep_grads=keep_grads,
-                           freeze=tuple(freeze))
-    return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                        tuple(freeze))
+                           optimizer_impl=optimizer_impl, freeze=tuple(freeze))
+    return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
+                        optimizer_impl, timeline, tuple(freeze))
 
 
-def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline=None,
-                 freeze=()):
+def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
+                 optimizer_impl="for-loop", timeline=None, freeze=()):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
                          DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
-                         timeline=timeline)
+                         timeline=timeline, optimizer_impl=optimizer_impl)
 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
@@ -536,21 +611,33 @@ def _own_replay_of(kind: str, cfg, sizes: tuple, dtype: str, options: tuple):
     return replay(OwnSubject(cfg), dict(sizes), dtype, **dict(options))
 
 
-def training_peak_line(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
-                       optimizer: str, kernel: str, keep_grads: bool, resident: int,
-                       grads: int, timeline=None, freeze: tuple[str, ...] = ()) -> MemoryLine:
-    """The peak of one steady-state training step: what exists before it (weights, buffers,
-    optimizer state, kept gradients) plus the replayed step's own peak above that;
-    ``timeline`` (a TimelineRecorder) records the same replay's events."""
-    step = estimate_step_peak(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                              timeline, freeze)
+_IMPL_WORDS = {"for-loop": "a few temporaries the size of one parameter at a time",
+               "foreach": "each temporary made for every parameter at once (one list op per "
+                          "update term)",
+               "fused": "one kernel per parameter group: no temporaries"}
+
+
+def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
+                        optimizer: str, kernel: str, keep_grads: bool, resident: int,
+                        grads: int, timeline=None, optimizer_impl: str = "for-loop",
+                        impl_why: str = "") -> list[MemoryLine]:
+    """The optimizer step's temporaries and the peak of one steady-state training step: what
+    exists before it (weights, buffers, optimizer state, kept gradients) plus the replayed
+    step's own peak above that; ``timeline`` (a TimelineRecorder) records the same replay's
+    events; ``impl_why`` says where ``optimizer_impl`` came from."""
+    step = estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
+                         optimizer_impl, freeze)
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
-    return MemoryLine("peak of a training step", before + step,
-                      f"weights + buffers + optimizer state{' + gradients' if keep_grads else ''}"
-                      f" + the step's own peak ({step:,} B: forward, backward, "
-                      f"{optimizer}.step() temporaries), fake-tensor replay; {zero}", True)
+    return [MemoryLine("optimizer step temporaries", step.optimizer_temporaries,
+                       f"{optimizer}.step(), {optimizer_impl}{impl_why}: "
+                       f"{_IMPL_WORDS[optimizer_impl]}; the most it holds above the gradients "
+                       f"and state, fake-tensor replay"),
+            MemoryLine("peak of a training step", before + step.peak,
+                       f"weights + buffers + optimizer state{' + gradients' if keep_grads else ''}"
+                       f" + the step's own peak ({step.peak:,} B: forward, backward, "
+                       f"{optimizer}.step() {optimizer_impl}), fake-tensor replay; {zero}", True)]
 
 
 def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
