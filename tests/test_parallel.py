@@ -559,7 +559,9 @@ def test_params_parallel_json_lines_and_headroom(cli):
     assert peak["bytes"] == max(peak["moments"].values()) < total
     assert peak["moment"] in peak["moments"] and "inside backward (FSDP)" in peak["moments"]
     assert data["device"]["compared"] == "peak" and data["device"]["fits"]
-    assert data["device"]["headroom_bytes"] == 24 * 10**9 - peak["bytes"]
+    # 24 GB as written (SI), less the default reserve of 2 GiB
+    assert data["device"]["reserve_bytes"] == 2 * 2**30
+    assert data["device"]["headroom_bytes"] == 24 * 10**9 - 2 * 2**30 - peak["bytes"]
     assert data["cross_check"][1]["name"] == "per layer: Korthikanti et al. 2022"
 
 
@@ -583,7 +585,40 @@ def test_params_fit_batch_is_the_largest_that_fits(cli):
     assert not over["device"]["fits"]
 
 
+def test_device_names_are_read_as_the_boards_are_and_a_reserve_is_kept_back(cli):
+    """Issue 21: an H100 80GB has 80 GiB (not 80·10⁹ B); 2 GiB of it are kept back by default
+    for what a real GPU also holds, --reserve changes that, and the fit search and the headroom
+    both use what is left."""
+    from tfcli.parallel.fit import parse_device_memory
+
+    assert parse_device_memory("H100")[0] == parse_device_memory("80GiB")[0] == 80 * 2**30
+    assert parse_device_memory("80GB")[0] == 80 * 10**9  # a size as written stays SI...
+    assert "74.51 GiB" in parse_device_memory("80GB")[1]  # ...and says what that is
+    args = ["params", "-p", "tiny", "--parallel", "dp=2", "--seq-len", "32", "--json"]
+    default = json.loads(cli(*args, "--device-memory", "H100").stdout)["device"]
+    none = json.loads(cli(*args, "--device-memory", "H100", "--reserve", "0").stdout)["device"]
+    assert default["bytes"] == none["bytes"] == 80 * 2**30 and none["reserve_bytes"] == 0
+    assert default["usable_bytes"] == 78 * 2**30 and "CUDA context" in default["reserve"]
+    assert none["headroom_bytes"] - default["headroom_bytes"] == 2 * 2**30
+    # a device the default reserve would be most of: a tenth of it is kept back instead
+    small = json.loads(cli(*args, "--device-memory", "100MB").stdout)["device"]
+    assert small["reserve_bytes"] == 10**7 and "a tenth of the device" in small["reserve"]
+    # the search fits into what is left
+    fit = [*args, "--device-memory", "8MiB", "--fit", "batch"]
+    free = json.loads(cli(*fit, "--reserve", "0").stdout)
+    held = json.loads(cli(*fit, "--reserve", "3MiB").stdout)
+    assert held["fit"]["largest"] < free["fit"]["largest"]
+    assert held["device"]["fits"] and held["device"]["usable_bytes"] == 5 * 2**20
+    text = cli(*args[:-1], "--device-memory", "H100").stdout  # the table says it too
+    assert "78.00 GiB usable (80.00 GiB less 2.00 GiB kept back" in text, text
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--parallel", "dp=2", "--device-memory", "1GiB", "--reserve", "1GiB"],
+     "--reserve 1GiB: 1,073,741,824 B is not less than the device's"),
+    (["--parallel", "dp=2", "--device-memory", "H100", "--reserve", "some"],
+     "--reserve 'some': expected a size such as 2GiB"),
+    (["--parallel", "dp=2", "--reserve", "1GiB"], "--reserve is kept back from --device-memory"),
     (["--parallel", "dp=2,zero=7"], "zero=7 must be 0, 1, 2 or 3"),
     (["--parallel", "dp=2", "--fit", "batch", "--seq-len", "64"], "--fit needs --device-memory"),
     (["--parallel", "dp=2", "--fit", "batch", "--device-memory", "H100"],
@@ -809,6 +844,10 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
     data = json.loads(fitted.stdout)
     best = data["fit"]["largest"]
     assert best and data["device"]["fits"]
+    # fitted into 8 MB less the default reserve (a tenth of so small a device), as for tfcli's
+    # own model
+    assert (data["device"]["reserve_bytes"], data["device"]["usable_bytes"]) == (8 * 10**5,
+                                                                               72 * 10**5)
     over = json.loads(cli(*args, "--device-memory", "8MB", "--batch-size", str(best + 1)).stdout)
     assert not over["device"]["fits"]
 

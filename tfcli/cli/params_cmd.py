@@ -155,6 +155,8 @@ RULES = Rules(
     Rule("checkpointing", CHANGES_ACTIVATIONS),
     Rule("micro_batches", CHANGES_ACTIVATIONS),
     Rule("optimizer", TRAINING),
+    Rule("reserve", Needs(lambda v: v.device_memory is not None, "only with --device-memory",
+                          "is kept back from --device-memory: add --device-memory SIZE|GPU")),
     Rule("optimizer_impl", STEP, TRAINING,
          Needs(lambda v: v.per_rank is None, "not with --parallel",
                "is not modelled with {v.per_rank}: the per-rank plan has no optimizer-step "
@@ -237,6 +239,11 @@ def params(
     device_memory: Annotated[Optional[str], typer.Option(
         metavar="SIZE|GPU", show_default=False,
         help="Per-rank device memory, e.g. 80GiB or H100: prints the headroom.")] = None,
+    reserve: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", show_default=False,
+        help="Memory kept back from --device-memory for what a real GPU also holds (CUDA "
+             "context, NCCL and cuBLAS workspaces, allocator rounding); default 2GiB, 0 for "
+             "none.")] = None,
     fit_: Annotated[Optional[Fit], typer.Option(
         "--fit", show_default=False,
         help="Search the largest --batch-size or --seq-len that fits --device-memory.")] = None,
@@ -299,7 +306,7 @@ def params(
                                checkpointing.value if checkpointing else None, dtype.value, mixed,
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
-                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap)
+                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

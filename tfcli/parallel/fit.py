@@ -3,20 +3,51 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 from tfcli.errors import TfcliError, did_you_mean
 
 # --- does it fit? ---------------------------------------------------------------------------
 
-# Nominal capacities as sold; the CUDA context and allocator reserve take 1-2 GiB of them.
-DEVICES = {"H100": 80 * 10**9, "H100-80GB": 80 * 10**9, "H200": 141 * 10**9,
-           "A100": 80 * 10**9, "A100-80GB": 80 * 10**9, "A100-40GB": 40 * 10**9,
-           "V100": 32 * 10**9, "V100-16GB": 16 * 10**9, "L4": 24 * 10**9, "A10": 24 * 10**9,
-           "L40S": 48 * 10**9, "RTX4090": 24 * 10**9, "MI300X": 192 * 10**9,
-           "B200": 192 * 10**9}
+GiB = 2**30
+# What each board is sold with, read as the board is: the "GB" of a GPU's memory is GiB (an
+# H100 80GB has 80 GiB of HBM, not 80·10⁹ B). The driver shows a little less than the name
+# (81,559 MiB of 81,920 on an H100 80GB, as issue 21 quotes it); the reserve below covers that.
+DEVICES = {name: gib * GiB for name, gib in {
+    "H100": 80, "H100-80GB": 80, "H200": 141, "A100": 80, "A100-80GB": 80, "A100-40GB": 40,
+    "V100": 32, "V100-16GB": 16, "L4": 24, "A10": 24, "L40S": 48, "RTX4090": 24,
+    "MI300X": 192, "B200": 192}.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+# What a real GPU holds besides the tensors a plan counts, kept back from every capacity unless
+# --reserve says otherwise: the driver's share of the board (above), the CUDA context (several
+# hundred MiB with lazy module loading), cuBLAS/cuBLASLt and NCCL workspaces and buffers, and
+# the caching allocator's rounding and fragmentation. Those vary with the CUDA version, the
+# number of ranks and the run; 2 GiB is a margin chosen to cover them on an 80 GiB board, not a
+# measurement. A fixed amount, not a share, since most of it does not grow with the board; but
+# never more than a tenth of the device, so that a budget below 20 GiB (a toy size, or a part
+# of a GPU) is not swallowed by it.
+DEFAULT_RESERVE = 2 * GiB
+RESERVE_HOW = ("the default reserve: driver share, CUDA context, cuBLAS and NCCL workspaces, "
+               "allocator rounding (--reserve SIZE to change)")
+
+
+def default_reserve(capacity: int) -> int:
+    return min(DEFAULT_RESERVE, capacity // 10)
+
+
+def _parse_size(option: str, text: str, low: int) -> int:
+    key = text.strip().upper()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", key)
+    if not match:
+        return -1
+    size = float(match.group(1)) * _UNITS[match.group(2) or ""]  # 400 digits: inf
+    if not low <= size <= 2**60:
+        raise TfcliError(f"{option} {text[:60]!r}: must be between {low} byte"
+                         f"{'s' if low != 1 else ''} and 1 EiB")
+    return int(size)
 
 
 def parse_device_memory(text: str) -> tuple[int, str]:
@@ -24,16 +55,55 @@ def parse_device_memory(text: str) -> tuple[int, str]:
     key = text.strip().upper()
     for name, size in DEVICES.items():
         if key == name.upper():
-            return size, f"{name} ({size / 10**9:g} GB nominal)"
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", key)
-    if not match:
+            return size, f"{name} ({size // GiB} GiB as the board is sold)"
+    size = _parse_size("--device-memory", text, 1)
+    if size < 0:
         raise TfcliError(f"--device-memory {text!r}: expected a size such as 80GiB or 40GB, "
                          f"or a device: {', '.join(DEVICES)}"
                          f"{did_you_mean(key, [d.upper() for d in DEVICES])}")
-    size = float(match.group(1)) * _UNITS[match.group(2) or ""]  # 400 digits: inf
-    if not 1 <= size <= 2**60:
-        raise TfcliError(f"--device-memory {text[:60]!r}: must be between 1 byte and 1 EiB")
-    return int(size), text.strip()
+    decimal = re.search(r"[KMGT]B$", key) is not None and size >= GiB
+    board = text.strip().upper()[:-2].strip()
+    return size, text.strip() + (f" (= {size / GiB:.2f} GiB; a board sold as {board}GB has "
+                                 f"{board} GiB: give {board}GiB or its name)" if decimal else "")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A device's capacity, what is kept back from it, and what a plan may use."""
+    capacity: int
+    label: str
+    reserve: int
+    reserve_how: str
+
+    @property
+    def usable(self) -> int:
+        return self.capacity - self.reserve
+
+    def record(self, need: int, compared: str) -> dict:
+        """What --json and the table say about ``need`` (the plan's ``compared``) here."""
+        return {"name": self.label, "bytes": self.capacity, "reserve_bytes": self.reserve,
+                "reserve": self.reserve_how, "usable_bytes": self.usable,
+                "headroom_bytes": self.usable - need, "compared": compared,
+                "fits": need <= self.usable}
+
+
+def device_budget(device_memory: str, reserve: str | None = None) -> Budget:
+    """--device-memory less --reserve (default :data:`DEFAULT_RESERVE`)."""
+    capacity, label = parse_device_memory(device_memory)
+    if reserve is None:
+        kept = default_reserve(capacity)
+        how = RESERVE_HOW if kept == DEFAULT_RESERVE else \
+            f"a tenth of the device, the default below 20 GiB ({RESERVE_HOW[4:]})"
+    else:
+        kept = _parse_size("--reserve", reserve, 0)
+        if kept < 0:
+            raise TfcliError(f"--reserve {reserve!r}: expected a size such as 2GiB, 1500MiB "
+                             f"or 0")
+        how = f"--reserve {reserve.strip()}"
+    if kept >= capacity:
+        raise TfcliError(f"--reserve {reserve}: {kept:,} B is not less than the device's {capacity:,} B "
+                         f"({label}); give a smaller --reserve")
+    return Budget(capacity, label, kept, how)
 
 
 def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> int | None:

@@ -4,7 +4,7 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.parallel.fit import fit, parse_device_memory
+from tfcli.parallel.fit import device_budget, fit
 from tfcli.parallel.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -15,12 +15,14 @@ FIT = ("batch", "seq-len")
 def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, checkpointing: str, dtype: str, mixed: str | None,
              optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
-             fit_what: str | None = None) -> dict:
-    """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom; with
-    ``fit_what`` the largest batch or length that fits and the plan there."""
+             fit_what: str | None = None, reserve: str | None = None) -> dict:
+    """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
+    capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
+    largest batch or length that fits there and the plan there."""
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
-    capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
+    budget = device_budget(device_memory, reserve) if device_memory else None
+    capacity = budget.usable if budget else None
     limit = cfg.max_seq_len if cfg.positional != "none" else 1 << 20
 
     def at(b: int, s: int | None):
@@ -49,11 +51,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
     result = at(batch, seq_len)
     data = result.to_dict()
     data["world_size"] = par.world
-    if capacity is not None:
-        data["device"] = {"name": device, "bytes": capacity,
-                          "headroom_bytes": capacity - result.need,
-                          "compared": "peak" if result.peak else "total",
-                          "fits": result.need <= capacity}
+    if budget is not None:
+        data["device"] = budget.record(result.need, "peak" if result.peak else "total")
     if fit_what is not None:
         data["fit"] = {"what": fit_what, "largest": found, "step": step, "bound": bound,
                        "at_bound": found == bound,
@@ -143,10 +142,12 @@ def render(data: dict, console) -> None:
     if "device" in data:
         dev = data["device"]
         room = dev["headroom_bytes"]
-        notes.append(f"device {dev['name']}: fits, {human_bytes(room)} to spare above the "
-                     f"{dev['compared']}" if dev["fits"] else
-                     f"device {dev['name']}: does NOT fit, {human_bytes(-room)} short of the "
-                     f"{dev['compared']}")
+        kept = (f"{human_bytes(dev['usable_bytes'])} usable ({human_bytes(dev['bytes'])} less "
+                f"{human_bytes(dev['reserve_bytes'])} kept back: {dev['reserve']})")
+        notes.append(f"device {dev['name']}: {kept}; fits, {human_bytes(room)} to spare "
+                     f"above the {dev['compared']}" if dev["fits"] else
+                     f"device {dev['name']}: {kept}; does NOT fit, {human_bytes(-room)} short "
+                     f"of the {dev['compared']}")
     for note in notes:
         console.print(note)
 
@@ -155,7 +156,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     micro_batches: int | None, checkpointing: str | None, dtype: str,
                     mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
-                    sizes_at=None, wrap: str | None = None) -> None:
+                    sizes_at=None, wrap: str | None = None, reserve: str | None = None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses."""
@@ -166,15 +167,22 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     if cfg is None:  # a user's module or a Transformers model: traced from the built model
         from tfcli.parallel import traced
 
+        # the traced plan fits into what is usable, given to it as a plain size; what it says
+        # about the device is then said as for tfcli's own model
+        budget = device_budget(device_memory, reserve) if device_memory else None
         data = traced.per_rank(subject, parallel, batch, seq_len, micro_batches, sizes_at,
                                checkpointing or "none", dtype, mixed,
-                               OPTIMIZER_STATES[optimizer], kernel, device_memory, fit_what,
-                               wrap)
+                               OPTIMIZER_STATES[optimizer], kernel,
+                               str(budget.usable) if budget else None, fit_what, wrap)
+        if budget is not None:
+            dev = data["device"]
+            data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
+                                           dev["compared"])
         data["subject"] = subject.describe()
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
-                        fit_what)
+                        fit_what, reserve)
         data["config"] = cfg.to_dict()
     if json_out:
         from tfcli.cli.process import print_json
