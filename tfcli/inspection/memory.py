@@ -620,7 +620,7 @@ _IMPL_WORDS = {"for-loop": "a few temporaries the size of one parameter at a tim
 def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                         optimizer: str, kernel: str, keep_grads: bool, resident: int,
                         grads: int, timeline=None, optimizer_impl: str = "for-loop",
-                        impl_why: str = "") -> list[MemoryLine]:
+                        impl_why: str = "", freeze: tuple[str, ...] = ()) -> list[MemoryLine]:
     """The optimizer step's temporaries and the peak of one steady-state training step: what
     exists before it (weights, buffers, optimizer state, kept gradients) plus the replayed
     step's own peak above that; ``timeline`` (a TimelineRecorder) records the same replay's
