@@ -129,7 +129,7 @@ def test_png_without_matplotlib_is_one_line_naming_the_extra(cli, tmp_path, monk
     (("--timeline", "t.json"), "--timeline applies to the memory of a step: add --seq-len"),
     ((*SIZES, "--timeline", "t.svg"), "must end in .json, .html or .png"),
     ((*SIZES, "--parallel", "dp=2", "--timeline", "t.json"),
-     "--timeline is not yet supported with --parallel"),
+     "--timeline with --parallel: a rank's timeline is drawn for FSDP data parallelism"),
     ((*SIZES, "--inference", "--decode-steps", "2"),
      "--decode-steps sets the decode steps that --inference --timeline FILE draws"),
     ((*SIZES, "--decode-steps", "2", "--timeline", "t.json"),

@@ -112,6 +112,31 @@ def _model_split(v) -> str | None:
                  if getattr(par, key) > 1), None)
 
 
+def _rank_timeline(v) -> str | None:
+    """Why --timeline cannot draw the rank that the per-rank options ask for (None: it can,
+    or they ask for none): one rank of FSDP data parallelism, one micro-batch, no
+    checkpointing or autocast, is drawn."""
+    from tfcli.parallel.layout import parse_parallel
+
+    if v.per_rank is None:
+        return None
+    wanted = "a rank's timeline is drawn for FSDP data parallelism (--parallel dp=N,zero=3)"
+    if v.parallel is None:
+        return f"{wanted}; add --parallel dp=N,zero=3, or drop {v.per_rank}"
+    par = parse_parallel(v.parallel)
+    if par.zero != 3 or par.tp > 1 or par.pp > 1 or par.cp > 1:
+        return f"{wanted}; DDP, ZeRO-1/2, tp, pp and cp are not drawn yet"
+    for option, value in (("--fit", v.fit_), ("--micro-batches", v.micro_batches),
+                          ("--checkpointing", v.checkpointing)):
+        if value is not None:
+            return (f"{wanted} at the given batch and length, one micro-batch, without "
+                    f"checkpointing; drop {option}")
+    if v.mixed_precision is not Mixed.none:
+        return (f"{wanted} in one dtype; FSDP's mixed precision is not drawn yet: drop "
+                f"--mixed-precision")
+    return None
+
+
 RULES = Rules(
     Rule(("depth", "expand"), TABLE_ONLY),
     Rule("mixed_precision", Needs(
@@ -164,14 +189,14 @@ RULES = Rules(
     Rule("mixed_precision", TRAINING),
     Rule("keep_grads", TRAINING),
     Rule("timeline", STEP,
-         Needs(lambda v: v.per_rank is None, "not with --parallel",
-               "is not yet supported with {v.per_rank}: it draws one device's training step "
-               "(a rank's timeline is still to come); drop {v.per_rank}")),
+         Needs(lambda v: v.rank_timeline is None, "with --parallel: dp=N,zero=3 only",
+               "with {v.per_rank}: {v.rank_timeline}")),
     Rule("decode_steps", Needs(lambda v: v.inference and v.timeline is not None,
                                "only with --inference --timeline",
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
+             "rank_timeline": lambda v: _rank_timeline(v),
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
 
@@ -302,11 +327,19 @@ def params(
     if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
+        rank = None
+        if timeline is not None:
+            rank = _rank_drawing(timeline_file, subject, parallel,
+                                 sizes(subject, batch_size, seq_len, seq_len, dim, seq_len),
+                                 dtype.value, optimizer.value, kernel, wrap,
+                                 mem.assumed_kernel(attention_kernel.value, device.value,
+                                                    dtype.value, mixed, cfg.dropout
+                                                    if cfg is not None else None), device.value)
         return params_parallel(cfg, parallel, batch_size, seq_len, micro_batches,
                                checkpointing.value if checkpointing else None, dtype.value, mixed,
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
-                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve)
+                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)
@@ -441,9 +474,10 @@ def _write_timeline(path: Path, timeline, peak_line: int, about: dict) -> dict:
 
     info = draw.summary(timeline)
     agrees = info["peak_bytes"] == peak_line
+    line = about.pop("compared_with", "the peak line")
     about["peak_line"] = ("no peak line to compare (inference)" if peak_line is None else
-                          "equal to the peak line" if agrees else
-                          f"the peak line is {peak_line:,} B: "
+                          f"equal to {line}" if agrees else
+                          f"{line} is {peak_line:,} B: "
                           f"{peak_line - info['peak_bytes']:+,} B")
     out = AtomicFile(path)
     try:
@@ -465,6 +499,31 @@ def _write_timeline(path: Path, timeline, peak_line: int, about: dict) -> dict:
     return {"path": str(path), "peak_bytes": info["peak_bytes"], "peak_event": info["peak_event"],
             "events": info["events"], "phase_at_peak": info["phase_at_peak"],
             "peak_line": about["peak_line"], "by_category_at_peak": info["by_category_at_peak"]}
+
+
+def _rank_drawing(path: Path, subject, parallel: str, dims: dict[str, int], dtype: str,
+                  optimizer: str, kernel: str, wrap: str | None, assumed: str, device: str):
+    """What params_parallel calls with the plan: rank 0's step of FSDP on a fake world,
+    drawn and compared with the plan's peak; what was written."""
+    from tfcli.inspection.memory import _sizes_text
+    from tfcli.parallel.layout import parse_parallel
+    from tfcli.parallel.rank_timeline import fsdp_rank_timeline
+
+    par = parse_parallel(parallel)
+
+    def draw(plan: dict) -> dict:
+        tl, _ = fsdp_rank_timeline(subject, par.dp, dims, dtype, optimizer, kernel, wrap)
+        return _write_timeline(path, tl, plan["peak"]["bytes"], {
+            "what": f"one training step of rank 0 of {par.dp}, FSDP (fully_shard per layer "
+                    f"unit and the root; ZeRO-3), {optimizer}.step(), zero_grad("
+                    f"set_to_none=True)",
+            "model": subject.label, "sizes": _sizes_text(subject, dims) + " per rank",
+            "precision": dtype, "kernel": assumed, "compared_with": "the per-rank plan's peak",
+            "method": f"FSDP2 on torch.distributed's fake process group of {par.dp} ranks "
+                      f"(collectives move no data), fake-tensor replay of the rank's second "
+                      f"step on {device} kernels, {subject.loss_name()}: nothing allocated; "
+                      f"bytes are storage sizes, without a caching allocator's rounding"})
+    return draw
 
 
 def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:

@@ -35,6 +35,10 @@ CATEGORIES = {
     "activation": "activations (kept for backward)",
     "temporary": "temporaries",
     "kv_cache": "KV cache",
+    # one rank under FSDP (tfcli.parallel.rank_timeline); FSDPMemTracker's names, lower case
+    "unsharded_parameter": "parameters, gathered (unsharded)",
+    "all_gather": "all-gather buffers",
+    "reduce_scatter": "reduce-scatter buffers",
 }
 BEFORE = "before the step"
 

@@ -72,6 +72,18 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: s
                     reshard_after_forward, root_default=True)
 
 
+def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool) -> None:
+    """FSDP2 ``fully_shard`` on each unit, then on the root. ``root_default``: the root unit
+    as fully_shard leaves it by default, gathered from forward to backward (else it is
+    resharded like the layers)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if root_default and
+                reshard_after_forward else reshard_after_forward)
+
+
 def _tracked(subject, build, units, world: int, sizes: dict[str, int],
              reshard_after_forward: bool, root_default: bool = False) -> dict[str, dict]:
     """``root_default``: the root unit as fully_shard leaves it by default, gathered from
@@ -79,15 +91,11 @@ def _tracked(subject, build, units, world: int, sizes: dict[str, int],
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
 
     with _fake_world(world) as mesh:
         with FakeTensorMode():
             model = build()
-            for unit in units(model):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=None if root_default and
-                        reshard_after_forward else reshard_after_forward)
+            _shard(model, units(model), mesh, reshard_after_forward, root_default)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                          lr=1e-4)
             inputs = subject.make_inputs(model, sizes, "cpu")

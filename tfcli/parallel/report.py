@@ -156,10 +156,13 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     micro_batches: int | None, checkpointing: str | None, dtype: str,
                     mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
-                    sizes_at=None, wrap: str | None = None, reserve: str | None = None) -> None:
+                    sizes_at=None, wrap: str | None = None, reserve: str | None = None,
+                    timeline=None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
-    sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses."""
+    sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
+    ``timeline(plan) -> dict`` draws one rank's step and says what it wrote, which is printed
+    after the plan (under "timeline" with --json)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
@@ -184,6 +187,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
                         fit_what, reserve)
         data["config"] = cfg.to_dict()
+    if timeline is not None:
+        data["timeline"] = timeline(data)
     if json_out:
         from tfcli.cli.process import print_json
 
@@ -191,4 +196,11 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
         return
     from tfcli.cli.process import stdout
 
-    render(data, stdout())
+    console = stdout()
+    render(data, console)
+    if timeline is not None:
+        written = data["timeline"]
+        console.print(f"wrote timeline: {written['path']} (rank 0: peak "
+                      f"{written['peak_bytes']:,} B at event {written['peak_event']:,} of "
+                      f"{written['events']:,}, {written['phase_at_peak']}; "
+                      f"{written['peak_line']})", highlight=False)

@@ -18,10 +18,14 @@ from typing import IO
 from tfcli.inspection.timeline import BEFORE, CATEGORIES, Allocation, Timeline
 from tfcli.render import human_bytes
 
-# Okabe & Ito (2008): distinguishable with the common colour-vision deficiencies.
+# Okabe & Ito (2008): distinguishable with the common colour-vision deficiencies; its eight
+# colours and the grey usually given with them. Ten categories: a rank's gathered parameters
+# are the parameters' blue, hatched white (a hatch tells them apart without a tenth hue).
 COLOURS = {"parameter": "#0072B2", "buffer": "#56B4E9", "optimizer_state": "#E69F00",
            "gradient": "#009E73", "activation": "#D55E00", "temporary": "#CC79A7",
-           "kv_cache": "#F0E442"}
+           "kv_cache": "#F0E442", "unsharded_parameter": "#0072B2", "all_gather": "#000000",
+           "reduce_scatter": "#999999"}
+HATCHED = {"unsharded_parameter"}
 TOP = 8  # allocations named at the peak
 
 
@@ -167,7 +171,8 @@ def _svg(tl: Timeline) -> tuple[str, list]:
                           for i, v in enumerate(upper))
             down = " ".join(f"{x(edges[i + 1]):.1f},{y(v):.1f} {x(edges[i]):.1f},{y(v):.1f}"
                             for i, v in reversed(list(enumerate(below))))
-            parts.append(f'<polygon points="{up} {down}" fill="{COLOURS[key]}" '
+            fill = f"url(#hatch-{key})" if key in HATCHED else COLOURS[key]
+            parts.append(f'<polygon points="{up} {down}" fill="{fill}" '
                          f'stroke="none"><title>{CATEGORIES[key]}</title></polygon>')
         below = upper
     for tick in ticks(top / div):  # y axis
@@ -193,8 +198,14 @@ def _svg(tl: Timeline) -> tuple[str, list]:
                  f'(event {at:,})</text>')
     parts.append(f'<line id="cursor" x1="0" x2="0" y1="{TOP_PAD}" y2="{TOP_PAD + plot_h}" '
                  f'stroke="#444" visibility="hidden"/>')
+    patterns = "".join(  # a fragment of this page, fetched from nowhere
+        f'<pattern id="hatch-{key}" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{COLOURS[key]}"/>'
+        f'<line x1="0" y1="0" x2="0" y2="6" stroke="#fff" stroke-width="2"/></pattern>'
+        for key in sorted(HATCHED))
     svg = (f'<svg id="plot" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-           f'viewBox="0 0 {W} {H}" font-family="sans-serif">{"".join(parts)}</svg>')
+           f'viewBox="0 0 {W} {H}" font-family="sans-serif"><defs>{patterns}</defs>'
+           f'{"".join(parts)}</svg>')
     data = [[k, *(p[key] for key in CATEGORIES)] for k, p in points]
     return svg, data
 
@@ -222,15 +233,23 @@ svg.addEventListener('mousemove', ev => {
 """
 
 
+def _css_swatch(key: str) -> str:
+    colour = COLOURS[key]
+    if key not in HATCHED:
+        return colour
+    return f"repeating-linear-gradient(45deg, {colour} 0 3px, #fff 3px 4px)"
+
+
 def write_html(tl: Timeline, about: dict, out: IO[str]) -> None:
     info = summary(tl)
     peak, at = info["peak_bytes"], info["peak_event"]
     svg, points = _svg(tl)
     at_peak = info["by_category_at_peak"]
+    present = {tl.allocations[index].category for index, _ in tl.events}
     legend = "".join(
-        f'<span class="key"><span class="sw" style="background:{COLOURS[k]}"></span>'
-        f'{html.escape(label)}: {human_bytes(at_peak[k])}</span>'
-        for k, label in CATEGORIES.items())
+        f'<span class="key"><span class="sw" style="background:'
+        f'{_css_swatch(k)}"></span>{html.escape(label)}: {human_bytes(at_peak[k])}</span>'
+        for k, label in CATEGORIES.items() if k in present)
     rows = "".join(
         f"<tr><td>{html.escape(a['module'])}</td><td>{html.escape(a['op'])}</td>"
         f"<td>[{', '.join(map(str, a['shape']))}]</td><td>{a['dtype']}</td>"
@@ -298,9 +317,10 @@ def save_png(tl: Timeline, about: dict, path: Path) -> None:
     for key in CATEGORIES:
         upper = stacked[key]
         if upper != below:  # steps: each point holds until the next (the last until n)
+            hatched = {"hatch": "///", "edgecolor": "white"} if key in HATCHED else {}
             ax.fill_between(edges, [v / div for v in [*below, below[-1]]],
                             [v / div for v in [*upper, upper[-1]]], step="post",
-                            color=COLOURS[key], linewidth=0, zorder=2,
+                            facecolor=COLOURS[key], linewidth=0, zorder=2, **hatched,
                             label=f"{CATEGORIES[key]}: "
                                   f"{human_bytes(info['by_category_at_peak'][key])} at the peak")
         below = upper
