@@ -212,6 +212,8 @@ def test_json_through_the_cli(bench_json_run):
     assert all(isinstance(f["reliable"], bool) for f in data["fits"])
     machine = data["environment"]["machine"]
     assert {"start", "end"} <= set(machine) and "load_avg" in machine["start"]
+    if "busy_cpus" in machine["start"]:  # /proc/stat is there: the end covers the whole sweep
+        assert 0 <= machine["end"]["others_busy_cpus"] <= machine["end"]["cpus"]
     assert png == b"\x89PNG"
     assert traces
 

@@ -216,9 +216,9 @@ def lean(monkeypatch):
     """Two costs of a real run that the zoo leaves to their own tests (tests/test_guard.py,
     tests/test_bench.py), each most of a tiny model's masks --check or bench: the memory
     guard's fake-tensor replay before a real run (its failure is never fatal: it then counts
-    weights and inputs), and bench's quarter-second samples of /proc/stat around its sweep."""
+    weights and inputs), and bench's quarter-second sample of /proc/stat before its sweep."""
     monkeypatch.setattr("tfcli.guard.model_run_bytes", lambda *args, **kwargs: (0, "skipped"))
-    monkeypatch.setattr("tfcli.bench.sweep.machine_state", lambda: {})
+    monkeypatch.setattr("tfcli.bench.sweep.machine_state", lambda **kwargs: {})
 
 
 @pytest.mark.parametrize("name", list(MASKS))

@@ -356,6 +356,7 @@ class Sweep:
         s = self.spec
         done = 0
         self.machine["start"] = machine_state()
+        during = Contention()
         try:
             for device in s.devices:
                 problem = device_problem(device)
@@ -378,7 +379,7 @@ class Sweep:
                 if record not in self.records:
                     record.status = "interrupted" if not timer.samples else "ok (interrupted)"
                     self._finish(record, timer, prepared)
-        self.machine["end"] = machine_state()
+        self.machine["end"] = machine_state(since=during)  # over the sweep, not after it
         return self.records
 
     def _probe_kernels(self, device: str, dtype: str) -> None:

@@ -123,14 +123,21 @@ def calibrate_matmul(device: str, dtype: torch.dtype, threads: int,
     return 2 * size ** 3 / timer.median
 
 
-def machine_state(window: float = 0.25) -> dict:
+def machine_state(window: float = 0.25, since: "Contention | None" = None) -> dict:
     """What else the machine is doing: load averages and how many CPUs were busy (non-idle
-    jiffies in /proc/stat over ``window`` seconds, in CPUs). Empty where /proc is absent."""
+    jiffies in /proc/stat over ``window`` seconds, in CPUs). With ``since`` (a Contention
+    started earlier), no wait: the CPUs other processes kept busy from then to now
+    (``others_busy_cpus``). Empty where /proc is absent."""
     state: dict = {"cpus": os.cpu_count()}
     try:
         state["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
+    if since is not None:
+        others = since.others()
+        if others is not None:
+            state["others_busy_cpus"] = others
+        return state
     try:
         first = _cpu_jiffies()
         time.sleep(window)

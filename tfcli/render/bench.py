@@ -150,6 +150,9 @@ def _machine(m: dict) -> str:
     parts = []
     if "busy_cpus" in m:
         parts.append(f"{m['busy_cpus']:.1f} of {m['cpus']} CPUs busy")
+    if "others_busy_cpus" in m:
+        parts.append(f"other processes kept {m['others_busy_cpus']:.1f} of {m['cpus']} CPUs "
+                     f"busy during the sweep")
     if "load_avg" in m:
         parts.append("load " + ", ".join(f"{x:.2f}" for x in m["load_avg"]))
     return ", ".join(parts) or "not known"
