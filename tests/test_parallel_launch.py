@@ -13,38 +13,35 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 import background
+from rank_scenarios import ranks_of as _ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ranks_of(pid: int) -> list[int]:
-    """Live ``python -m tfcli.parallel.launch`` children of ``pid`` (zombies are ended)."""
-    out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid=,stat=,args="],
-                         capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines()
-            if "tfcli.parallel.launch" in line and line.split()[1][0] != "Z"]
+@pytest.fixture(scope="module")
+def rank_scenarios():
+    return background.result("rank_scenarios")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+@background.job("rank_scenarios")
+def _rank_scenarios() -> dict:
+    """Ranks that fail, hang, stop or lose their launcher (tests/rank_scenarios.py): real ranks
+    that spend most of their time waiting, in one process beside the in-process tests."""
+    done = background.run([sys.executable, str(ROOT / "tests" / "rank_scenarios.py")], 300,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _threads(pid: int) -> int:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return 0
-    return int(next(line.split()[1] for line in status.splitlines()
-                    if line.startswith("Threads:")))
+def _scenario(record: dict, name: str) -> dict:
+    out = record[name]
+    assert "scenario_failed" not in out, out
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -120,55 +117,39 @@ def test_context_parallelism_is_refused_in_one_line(cli):
         result.stderr
 
 
-PLANTED = "open(__file__ + '.ran', 'w').close()\nraise SystemExit('planted module imported')\n"
 
-
-def test_a_killed_rank_is_named_and_no_rank_is_left(tmp_path, monkeypatch):
+def test_a_killed_rank_is_named_and_no_rank_is_left(rank_scenarios):
     """Rank 1 dies by SIGKILL (as by the OOM killer), writing no traceback, while rank 0 waits
     in an all-reduce: rank 1 is named, and rank 0 is ended. Modules planted in the current
     directory under the names the ranks import (issue 25) are never imported by a rank."""
-    from tfcli.parallel.launch import RankError, run_ranks
-    from tfcli.parallel.workers import fail_rank
-
-    for name in ("json", "torch", "tfcli", "faulthandler"):
-        (tmp_path / f"{name}.py").write_text(PLANTED)
-    monkeypatch.chdir(tmp_path)
-    start = time.monotonic()
-    with pytest.raises(RankError, match="rank 1 of 2 failed: killed by signal 9") as error:
-        run_ranks(fail_rank, 2, (1, False, True), timeout=120)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ran") == []
-    assert error.value.rank == 1 and error.value.exit_code == 1
+    out = _scenario(rank_scenarios, "killed")
+    assert "rank 1 of 2 failed: killed by signal 9" in out["error"], out
+    assert out["planted_ran"] == []
+    assert out["rank"] == 1 and out["exit_code"] == 1
     # start-up + a few seconds: noticed, not left to the 120 s deadline
-    assert time.monotonic() - start < 60
-    assert _ranks_of(os.getpid()) == []
+    assert out["seconds"] < 60
+    assert out["left"] == []
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the sockets from Linux's /proc")
-def test_ranks_listen_on_the_loopback_interface_only():
+def test_ranks_listen_on_the_loopback_interface_only(rank_scenarios):
     """Issue 25: the rendezvous store and the backend listen on 127.0.0.1, not on every
     interface (torch's own TCPStore would bind the unspecified address)."""
-    from tfcli.parallel.launch import run_ranks
-    from tfcli.parallel.workers import listening_sockets
-
-    found = run_ranks(listening_sockets, 2, timeout=60)
+    found = _scenario(rank_scenarios, "loopback")["returned"]
     assert found[0], found  # rank 0 holds the store at least
     addresses = {a.rsplit(":", 1)[0] for rank in found for a in rank}
     assert addresses <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, found
 
 
-def test_a_hung_rank_is_named_not_the_rank_waiting_for_it():
+def test_a_hung_rank_is_named_not_the_rank_waiting_for_it(rank_scenarios):
     """Rank 1 sleeps while rank 0 waits in an all-reduce: at the deadline their stacks say
     which one the other waits for. The deadline counts from when both have joined, so its 4 s
     need only cover rank 0 reaching its all-reduce."""
-    from tfcli.parallel.launch import RankError, run_ranks
-    from tfcli.parallel.workers import fail_rank
-
-    with pytest.raises(RankError) as error:
-        run_ranks(fail_rank, 2, (1, True), timeout=4)
-    assert error.value.rank == 1
-    assert str(error.value).startswith("rank(s) 1 of 2 did not finish within 4 s (rank 1 at ")
-    assert "in fail_rank); rank(s) 0 waited for it in a collective" in str(error.value)
-    assert _ranks_of(os.getpid()) == []
+    out = _scenario(rank_scenarios, "hung")
+    assert out["rank"] == 1, out
+    assert out["error"].startswith("rank(s) 1 of 2 did not finish within 4 s (rank 1 at ")
+    assert "in fail_rank); rank(s) 0 waited for it in a collective" in out["error"]
+    assert out["left"] == []
 
 
 def test_the_deadline_counts_from_when_every_rank_has_joined():
@@ -198,28 +179,12 @@ def test_ranks_that_have_not_started_python_yet_are_named_too(tmp_path):
         _end(procs)
 
 
-def test_ranks_end_when_the_launcher_is_killed():
+def test_ranks_end_when_the_launcher_is_killed(rank_scenarios):
     """SIGKILL gives the launcher no chance to end its ranks (one asleep, one in a collective):
     they notice that their parent is gone and end themselves."""
-    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        from tfcli.parallel.launch import run_ranks
-        from tfcli.parallel.workers import fail_rank
-        run_ranks(fail_rank, 2, (1, True), timeout=120)
-        """)])
-    try:
-        deadline = time.monotonic() + 60
-        # both in the process group (gloo's threads started): one in all_reduce, one asleep
-        while not (len(ranks := _ranks_of(launcher.pid)) == 2 and
-                   all(_threads(pid) >= 5 for pid in ranks)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(ranks) == 2 and all(_threads(pid) >= 5 for pid in ranks)
-    finally:
-        launcher.kill()
-        launcher.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in ranks)
+    out = _scenario(rank_scenarios, "launcher_killed")
+    assert out["ranks"] == 2 and out["joined"], out
+    assert out["alive_after"] == []
 
 
 @pytest.fixture(scope="module")
@@ -276,18 +241,13 @@ def test_collective_counter_agrees_with_comm_debug_mode(comm_counts):
     assert set(out["tp"][0]) == {"all_reduce"}
 
 
-def test_a_stopped_rank_is_named_not_the_rank_waiting_for_it():
+def test_a_stopped_rank_is_named_not_the_rank_waiting_for_it(rank_scenarios):
     """Issue 25: a rank stopped by SIGSTOP cannot dump its stack, and the launcher named the
     rank waiting for it in a collective. A stopped rank is named as stopped, and ended."""
-    from tfcli.parallel.launch import RankError, run_ranks
-    from tfcli.parallel.workers import fail_rank
-
-    start = time.monotonic()
-    with pytest.raises(RankError) as error:
-        run_ranks(fail_rank, 2, (1, False, False, True), timeout=3)
-    assert error.value.rank == 1
-    assert str(error.value).startswith("rank(s) 1 of 2 did not finish within 3 s (rank 1 is "
-                                       "stopped (SIGSTOP or SIGTSTP")
-    assert "rank(s) 0 waited for it in a collective" in str(error.value)
-    assert _ranks_of(os.getpid()) == []
-    assert time.monotonic() - start < 60
+    out = _scenario(rank_scenarios, "stopped")
+    assert out["rank"] == 1, out
+    assert out["error"].startswith("rank(s) 1 of 2 did not finish within 3 s (rank 1 is "
+                                   "stopped (SIGSTOP or SIGTSTP")
+    assert "rank(s) 0 waited for it in a collective" in out["error"]
+    assert out["left"] == []
+    assert out["seconds"] < 60
