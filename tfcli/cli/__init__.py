@@ -52,8 +52,8 @@ app.command("config", cls=TfcliCommand)(config)
 def main() -> None:
     import atexit
 
-    from tfcli.cli.signals import block_at_the_very_end
+    from tfcli.cli.signals import ignore_at_the_very_end
 
     Signals.own_process = True  # the process ends with the command: no handler to give back
-    atexit.register(block_at_the_very_end)  # first registered: runs last
+    atexit.register(ignore_at_the_very_end)  # first registered: runs last
     app()

@@ -34,17 +34,20 @@ def _exit_now(signum: int, message: str | None) -> None:
     os._exit(128 + signum)
 
 
-def block_at_the_very_end() -> None:
+def ignore_at_the_very_end() -> None:
     """Registered with atexit before anything else registers there, so it runs last: a signal
-    from here on is blocked and goes with the process, whose exit code the command has set.
-    Past this point Python gives back its signal handlers, and a SIGTERM would end the process
-    by the default action: no line, exit -15 instead of 130 or 143."""
+    from here on is ignored, and the process ends with the exit code the command has set.
+    Past this point Python gives back the handlers it installed (SIG_DFL) while torch's
+    libraries are still being torn down, and a SIGTERM there ended the process by the default
+    action: no line, exit -15 instead of 130 or 143. Python leaves an ignored signal ignored;
+    blocking it would not do, since torch's own threads would still take it."""
     import signal
 
-    try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-    except (AttributeError, OSError, ValueError):  # no pthread_sigmask (Windows)
-        pass
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):  # not the main thread, or no such signal (Windows)
+            pass
 
 
 def hang_up_ignored() -> bool:
