@@ -35,8 +35,9 @@ def _exit_now(signum: int, message: str | None) -> None:
 
 
 def ignore_at_the_very_end() -> None:
-    """Registered with atexit before anything else registers there, so it runs last: a signal
-    from here on is ignored, and the process ends with the exit code the command has set.
+    """Registered with atexit when the command starts, before torch or the model's code is
+    imported, so it runs after their exit handlers: a signal from here on is ignored, and the
+    process ends with the exit code the command has set.
     Past this point Python gives back the handlers it installed (SIG_DFL) while torch's
     libraries are still being torn down, and a SIGTERM there ended the process by the default
     action: no line, exit -15 instead of 130 or 143. Python leaves an ignored signal ignored;
