@@ -465,6 +465,8 @@ def test_inference_kv_cache(cli, preset, gib):
     (["--keep-grads"], "--keep-grads applies"),
     (["--device", "cuda"], "add --seq-len"),
     (["--inference"], "add --seq-len"),
+    (["--inference", "--seq-len", "8", "--device-memory", "1GB"],
+     "--device-memory: the per-rank plan sizes a training step; --inference sizes one device's"),
     (["--seq-len", "8", "--kv-dtype", "fp16"], "--kv-dtype applies to --inference"),
     (["--seq-len", "8", "--attention-kernel", "flash"], "takes no dropout"),
     (["--attention-kernel", "fast"], "fast"),

@@ -188,6 +188,11 @@ RULES = Rules(
                "moment yet; drop {option}, or drop {v.per_rank}")),
     Rule("mixed_precision", TRAINING),
     Rule("keep_grads", TRAINING),
+    Rule(("parallel", "checkpointing", "micro_batches", "device_memory", "fit_"), Needs(
+        lambda v: not v.inference, "not with --inference",
+        "{option}: the per-rank plan sizes a training step; --inference sizes one device's "
+        "weights, KV cache and working sets (a fit for serving is still to come); drop "
+        "{it} or --inference")),
     Rule("timeline", STEP,
          Needs(lambda v: v.rank_timeline is None, "with --parallel: dp=N,zero=3 only",
                "with {v.per_rank}: {v.rank_timeline}")),
