@@ -626,7 +626,8 @@ def test_device_names_are_read_as_the_boards_are_and_a_reserve_is_kept_back(cli)
     (["--parallel", "dp=2", "--device-memory", "80XB"], "--device-memory '80XB'"),
     (["--parallel", "tp=5"], "n_heads=12 is not divisible by 5"),
     (["--parallel", "cp=3", "--seq-len", "64"], "not divisible by cp=3"),
-    (["--parallel", "dp=2", "--inference", "--seq-len", "64"], "--inference sizes one device's weights, KV cache and working sets"),
+    (["--parallel", "dp=2", "--inference", "--seq-len", "64"],
+     "--inference sizes one device's weights, KV cache and working sets"),
     # options that would change nothing here
     (["--parallel", "sp=1"], "sp=1 applies with tp > 1"),
     (["--parallel", "dp=2", "--micro-batches", "4", "--seq-len", "64"],
