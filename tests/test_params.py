@@ -17,6 +17,7 @@ from tfcli.model.transformer import build_model, example_inputs
 from tfcli.inspection.params import freeze, param_report
 from tfcli.model.presets import PRESETS, get_preset
 from tfcli.render.params import display_rows
+from real_steps import real_adamw_step
 
 PUBLISHED = {"torch-transformer": 44_140_544, "gpt2-small": 124_439_808}
 
@@ -302,35 +303,20 @@ def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mi
     one warm-up step (the optimizer state exists): the replay against the CPU profiler's peak
     of the real step, and its optimizer-step temporaries against the profiler's peak of
     optimizer.step() alone."""
-    from tfcli.inspection.memory import DTYPES, estimate_step
+    from tfcli.inspection.memory import estimate_step
 
     subject = OwnSubject(get_preset(name).replace(**overrides))
     sizes = dict(B=2, S=48, T=48)
     estimate = estimate_step(subject, sizes, "fp32", mixed, "adamw", optimizer_impl=impl)
-    torch.manual_seed(0)
-    model = subject.build("cpu").train()
-    optimizer = torch.optim.AdamW(model.parameters(), **_IMPL[impl])
-    inputs = subject.make_inputs(model, sizes, "cpu")
-
-    def forward_backward():
-        with torch.autocast("cpu", dtype=DTYPES[mixed or "bf16"], enabled=mixed is not None):
-            out = subject.loss(inputs(model))
-        out.backward()
-
-    def step():
-        forward_backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    assert estimate.peak == pytest.approx(profile_peak_bytes(step), rel=0.02)
-    forward_backward()
-    measured = profile_peak_bytes(optimizer.step)  # + the 4-byte step counters it adds
+    real = real_adamw_step(subject, sizes, mixed, **_IMPL[impl])
+    assert estimate.peak == pytest.approx(real.peak, rel=0.02)
+    real.forward_backward()
+    measured = profile_peak_bytes(real.optimizer.step)  # + the 4-byte step counters it adds
     assert measured - 64 <= estimate.optimizer_temporaries <= measured
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in real.model.parameters())
     if impl == "foreach":  # a sqrt of exp_avg_sq for every parameter at once: sizeof(params)
         assert estimate.optimizer_temporaries >= 4 * n_params
-    optimizer.zero_grad(set_to_none=True)
+    real.optimizer.zero_grad(set_to_none=True)
 
 
 def test_the_optimizer_implementation_follows_the_device(cli):
@@ -382,34 +368,20 @@ def test_a_frozen_step_is_replayed_frozen():
     held both (gpt2-small at 2 layers, B = 2, L = 48: the real step's peak is what the replay
     with the layers frozen gives, and less than the unfrozen one's)."""
     from tfcli.inspection.memory import estimate_activations, estimate_step_peak
-    from tfcli.inspection.params import freeze
 
     subject = OwnSubject(get_preset("gpt2-small").replace(n_decoder_layers=2,
                                                           tgt_vocab_size=1000))
     sizes, frozen = dict(B=2, S=48, T=48), ("decoder.layers.*",)
     replayed = estimate_step_peak(subject, sizes, "fp32", None, "adamw", freeze=frozen)
     assert replayed < estimate_step_peak(subject, sizes, "fp32", None, "adamw")
-    torch.manual_seed(0)
-    model = subject.build("cpu").train()
-    freeze(model, list(frozen))
-    optimizer = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
-    inputs = subject.make_inputs(model, sizes, "cpu")
-
-    def step():
-        out = subject.loss(inputs(model))
-        out.backward()
-        del out
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    assert replayed == pytest.approx(profile_peak_bytes(step), rel=0.01)
-    for p in model.parameters():
+    real = real_adamw_step(subject, sizes, freeze=frozen)
+    assert replayed == pytest.approx(real.peak, rel=0.01)
+    for p in real.model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     activations, how = estimate_activations(subject, sizes, freeze=frozen)
     assert "decoder.layers.* frozen" in how
     assert activations.peak_bytes == pytest.approx(
-        profile_peak_bytes(lambda: subject.loss(inputs(model)).backward()), rel=0.01)
+        profile_peak_bytes(lambda: subject.loss(real.inputs(real.model)).backward()), rel=0.01)
 
 
 @pytest.mark.parametrize("kernel,backend", [("math", "MATH"), ("flash", "FLASH_ATTENTION")])

@@ -370,26 +370,14 @@ def test_training_step_peak_equals_the_profilers_on_a_real_step(zoo, name):
     has no padding; unless told, it built the [B, 1, L, L] mask and repeated K and V to every
     query head, which the real run does not (qwen2 and gemma: 65,536 B over at B=2, L=64; t5:
     8,184 B). The few bytes left are the C++ scalars the profiler also sees."""
-    from tfcli.inspection.memory import estimate_step_peak, profile_peak_bytes
+    from real_steps import real_adamw_step
+    from tfcli.inspection.memory import estimate_step_peak
     from tfcli.subjects import resolve_subject
 
     subject = resolve_subject(model=f"hf:{zoo[name]}")
     sizes = {**subject.default_sizes, "B": 2, "L": 64, "S": 64, "T": 64}
     replayed = estimate_step_peak(subject, sizes, "fp32", None, "adamw")
-    torch.manual_seed(0)
-    model = subject.build("cpu").train()
-    optimizer = torch.optim.AdamW(model.parameters())
-    inputs = subject.make_inputs(model, sizes, "cpu")
-
-    def step():
-        out = subject.loss(inputs(model))
-        out.backward()
-        del out
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's state exists before the step measured, as in the replay
-    assert abs(replayed - profile_peak_bytes(step)) <= 64
+    assert abs(replayed - real_adamw_step(subject, sizes).peak) <= 64
 
 
 def test_a_configuration_transformers_cannot_run_fails_in_one_line(cli, tmp_path, lean):

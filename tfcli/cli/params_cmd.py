@@ -80,8 +80,6 @@ def _per_rank(v) -> str | None:
                  if value is not None), None)
 
 
-OWN = own_model("{option} needs tfcli's own configuration (--preset/--config/--set); for "
-                "--model it is not computed yet")
 STEP = Needs(lambda v: v.seq_len is not None, "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
 SIZED = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
