@@ -66,13 +66,11 @@ def kernel_ran(fn: Callable[[], object]) -> str:
     """The SDPA kernel that actually executed (from the profiler). No fused op in the trace
     means the math path, whose backward is plain matmuls and softmax; no SDPA call at all (a
     model's eager attention) is an explicit matmul and softmax."""
-    from torch.profiler import ProfilerActivity, profile
+    from tfcli.inspection.memory import cpu_profiler
 
-    from tfcli.inspection.memory import quiet_native_stderr
-
-    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with cpu_profiler() as prof:
         fn()
-    names = {e.name for e in prof.events()}
+    names = {e.name for e in prof.function_events}
     fused = sorted(n for n in names if "scaled_dot_product" in n and "attention" in n
                    and n != "aten::scaled_dot_product_attention")
     for op in fused:  # aten::_scaled_dot_product_flash_attention_for_cpu -> flash (cpu)

@@ -420,14 +420,27 @@ def quiet_native_stderr():
         os.close(devnull)
 
 
+@contextlib.contextmanager
+def cpu_profiler(profile_memory: bool = False):
+    """torch's CPU profiler (kineto) around the block, native stderr silenced; yields the
+    profiler, whose ``function_events`` and ``kineto_results`` hold what ran.
+
+    This is ``torch.autograd.profiler.profile``, the object ``torch.profiler.profile`` wraps,
+    used directly: the wrapper's first start asks ``hasattr(torch, "_inductor")``, which
+    imports the compiler stack (torch._inductor, torch._dynamo), about 1.2 s of CPU that
+    every ``tfcli bench`` paid to learn which kernel ran. The events are the same."""
+    from torch.autograd.profiler import profile
+
+    with quiet_native_stderr(), profile(use_cpu=True, profile_memory=profile_memory) as prof:
+        yield prof
+
+
 def profile_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated on the CPU while ``fn`` runs, above what was allocated before:
     the running maximum over the profiler's allocation events (tracemalloc sees none of them)."""
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
 
-    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                        profile_memory=True) as prof:
+    with cpu_profiler(profile_memory=True) as prof:
         fn()
     deltas: list[tuple[int, int]] = []
 
@@ -437,7 +450,7 @@ def profile_peak_bytes(fn: Callable[[], object]) -> int:
                 deltas.append((event.start_time_ns, event.extra_fields.alloc_size))
             walk(event.children)
 
-    walk(prof.profiler.kineto_results.experimental_event_tree())
+    walk(prof.kineto_results.experimental_event_tree())
     live = peak = 0
     for _, size in sorted(deltas):
         live += size
