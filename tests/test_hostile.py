@@ -557,15 +557,13 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
 
 def _run_here(case: Case, where: Path, monkeypatch) -> tuple[int, str, str, dict, dict]:
     """The case in this process, in ``where``, as the console script would run it."""
-    from typer.testing import CliRunner
-
-    from tfcli.cli import app
+    from conftest import invoke
 
     _prepare(case, where)
     before = _snapshot(where)
     monkeypatch.chdir(where)
     env = {"COLUMNS": "100", "NO_COLOR": "1", "TFCLI_TRACEBACK": None, **case.env}
-    result = CliRunner().invoke(app, case.args, env=env)
+    result = invoke(case.args, env=env)
     return result.exit_code, result.stdout, result.stderr, before, _snapshot(where)
 
 

@@ -88,13 +88,10 @@ def arguments(command: str, model: str = "m.py:M") -> list[str]:
 
 
 def run_here(where, monkeypatch, args: list[str]):
-    from typer.testing import CliRunner
-
-    from tfcli.cli import app
+    from conftest import invoke
 
     monkeypatch.chdir(where)
-    return CliRunner().invoke(app, args, env={"COLUMNS": "100", "NO_COLOR": "1",
-                                              "TFCLI_TRACEBACK": None})
+    return invoke(args, env={"COLUMNS": "100", "NO_COLOR": "1", "TFCLI_TRACEBACK": None})
 
 
 def one_line(stderr: str, command: str) -> str:
