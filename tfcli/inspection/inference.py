@@ -114,6 +114,8 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
     for name in ("attention_mask", "decoder_attention_mask"):  # all ones: no padding
         kwargs.pop(name, None)
     kwargs["use_cache"] = True
+    if "logits_to_keep" in accepts:  # as generate() asks: the next token's logits only
+        kwargs["logits_to_keep"] = 1
     ids = "decoder_input_ids" if subject.encoder_decoder else "input_ids"
 
     def decode(out) -> dict:
@@ -131,11 +133,14 @@ def decode_steps(length: int) -> int:
     return 2 if length >= 3 else 1
 
 
-def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto"):
+def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
+                    kv_dtype: str | None = None):
     """Run ``subject``'s Transformers model on fake tensors: a prefill of L − steps tokens
-    with use_cache=True, then ``decode_steps(L)`` one-token steps. Returns (the cache object,
-    the last step's peak above everything that existed before it, the cache's bytes before
-    that step, the cache's bytes right after the prefill)."""
+    with use_cache=True (and logits_to_keep=1 where the model takes it, as generate() runs
+    it), then ``decode_steps(L)`` one-token steps. Returns (the cache object, the last step's
+    peak above everything that existed before it, the cache's bytes before that step, the
+    cache's bytes right after the prefill, the prefill's peak above the weights and inputs
+    with the cache it writes counted at ``kv_dtype``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -146,12 +151,18 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
         # tfcli's inputs have no padding: the masks a real batch would leave out, left out
         with torch.no_grad(), attention_kernel(kernel), running(model, during=REPLAY), \
                 no_padding():
-            out = Inputs((), prefill)(model)
+            first = _LiveStorages(existing)
+            with first:
+                out = Inputs((), prefill)(model)
             if getattr(out, "past_key_values", None) is None:
                 raise _refuse(subject, "returned no cache (past_key_values is None with "
                                        "use_cache=True)")
-            after_prefill = sum(n for n, _ in storage_bytes(
-                [t for _, t in held_tensors(out.past_key_values)]).values())
+            held = storage_bytes([t for _, t in held_tensors(out.past_key_values)])
+            after_prefill = sum(n for n, _ in held.values())
+            # the peak as if the cache it wrote were kept at kv_dtype: the cache is alive at
+            # the prefill's end, where the logits are made
+            prefill_peak = first.peak - after_prefill + _at_kv_dtype(held, kv_dtype or dtype)[0]
+            del held
             for last in range(decode_steps(sizes["T" if subject.encoder_decoder else "L"]),
                               0, -1):
                 step = decode(out)
@@ -164,7 +175,7 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
                 del step
             cache = out.past_key_values
             del out
-    return cache, live.peak, before, after_prefill
+    return cache, live.peak, before, after_prefill, prefill_peak
 
 
 def _count_frees(live: _LiveStorages, cache) -> int:
@@ -182,12 +193,21 @@ def _count_frees(live: _LiveStorages, cache) -> int:
 def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
                        kernel: str) -> list[MemoryLine]:
     """KV cache, prefill and decode-step working sets of a Transformers model."""
+    return hf_serving(subject, sizes, dtype, kv_dtype, kernel)[0]
+
+
+def hf_serving(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
+               kernel: str) -> tuple[list[MemoryLine], dict]:
+    """:func:`hf_inference_lines`, and what serving needs besides them from the same replay:
+    ``prefill`` (the cached prefill's peak above the weights), ``prefill_tokens`` and
+    ``layers`` ((path, positions kept) per cache layer)."""
     letter = "T" if subject.encoder_decoder else "L"
     length = sizes.get(letter, sizes.get("L"))
     if length < 2:
         raise TfcliError(f"--inference --seq-len {length}: at least 2 (a prefill and a decode "
                          f"step fill the cache's L positions)")
-    cache, peak, before, after_prefill = hf_cache_replay(subject, sizes, dtype, kernel)
+    cache, peak, before, after_prefill, prefill_peak = hf_cache_replay(subject, sizes, dtype,
+                                                                       kernel, kv_dtype)
     steps = decode_steps(length)
     storages = storage_bytes([t for _, t in held_tensors(cache)])
     measured = sum(n for n, _ in storages.values())
@@ -232,7 +252,7 @@ def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str
         f"weights "
         f"and the {before:,} B cache it starts with) less the cache's change "
         f"({after - before:+,} B); peak of a decode step = weights + KV cache + this"))
-    return lines
+    return lines, {"prefill": prefill_peak, "prefill_tokens": length - steps, "layers": layers}
 
 
 def _prefill_line(subject, sizes, dtype, kernel) -> MemoryLine:
