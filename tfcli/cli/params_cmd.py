@@ -73,15 +73,21 @@ class Kernel(str, Enum):
 
 
 def _per_rank(v) -> str | None:
-    """The first option that asks for the per-rank plan (None: one device)."""
+    """The first option that asks for the per-rank plan (None: one device; with --inference,
+    --device-memory and --fit ask whether serving fits one device)."""
+    serving = () if v.inference else (("--device-memory", v.device_memory), ("--fit", v.fit_))
     return next((o for o, value in (("--parallel", v.parallel), ("--checkpointing", v.checkpointing),
-                                    ("--micro-batches", v.micro_batches),
-                                    ("--device-memory", v.device_memory), ("--fit", v.fit_))
+                                    ("--micro-batches", v.micro_batches), *serving)
                  if value is not None), None)
 
 
-STEP = Needs(lambda v: v.seq_len is not None, "only with --seq-len",
+STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len),
+             "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
+SERVING_FIT = Needs(lambda v: not v.inference or v.device_memory is not None,
+                    "with --inference: only with --device-memory",
+                    "{option} {value} --inference searches what fits --device-memory: add "
+                    "--device-memory SIZE|GPU")
 SIZED = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
               "sizes the activation lines, which need a length: add --seq-len L")
 CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
@@ -186,11 +192,22 @@ RULES = Rules(
                "moment yet; drop {option}, or drop {v.per_rank}")),
     Rule("mixed_precision", TRAINING),
     Rule("keep_grads", TRAINING),
-    Rule(("parallel", "checkpointing", "micro_batches", "device_memory", "fit_"), Needs(
+    Rule(("parallel", "checkpointing", "micro_batches"), Needs(
         lambda v: not v.inference, "not with --inference",
         "{option}: the per-rank plan sizes a training step; --inference sizes one device's "
-        "weights, KV cache and working sets (a fit for serving is still to come); drop "
-        "{it} or --inference")),
+        "weights, KV cache and working sets; drop {it} or --inference")),
+    Rule("fit_", SERVING_FIT, Needs(
+        lambda v: not (v.inference and v.fit_ is Fit.batch) or v.seq_len is not None,
+        "with --inference batch: only with --seq-len",
+        "{option} {value} --inference needs --seq-len: the context whose batch is searched")),
+    Rule("seq_len", Needs(lambda v: not (v.inference and v.fit_ is Fit.seq_len),
+                          "not with --inference --fit seq-len",
+                          "{option} {value}: --fit seq-len searches the context; drop {it} (or "
+                          "--fit)")),
+    Rule("batch_size", Needs(lambda v: not (v.inference and v.fit_ is Fit.batch),
+                             "not with --inference --fit batch",
+                             "{option} {value}: --fit batch searches the batch; drop {it} (or "
+                             "--fit)")),
     Rule("timeline", STEP,
          Needs(lambda v: v.rank_timeline is None, "with --parallel: dp=N,zero=3 only",
                "with {v.per_rank}: {v.rank_timeline}")),
@@ -349,6 +366,19 @@ def params(
     apply_freeze(model, freeze or [])
     report = param_report(model, subject.experts_per_token())
 
+    served = None
+    if inference and device_memory is not None:  # serving: does it fit, what fits
+        from tfcli.inspection.serving import serve
+        from tfcli.parallel.fit import device_budget
+
+        static = mem.training_memory(report.total_params, 0, report.buffer_numel, dtype.value,
+                                     optimizer.value, None, None)[:2]
+        served = serve(subject, sum(m.bytes for m in static), device_budget(device_memory, reserve),
+                       fit_.value if fit_ else None, batch_size, seq_len,
+                       lambda b, n: sizes(subject, b, n, n, dim, n), dtype.value,
+                       (kv_dtype or dtype).value, kernel)
+        batch_size, seq_len = served.point.batch, served.point.length
+
     activations, how, memory = None, "", []
     if seq_len is not None:
         dims = sizes(subject, batch_size, seq_len, seq_len, dim, seq_len)
@@ -359,8 +389,8 @@ def params(
         if inference:
             memory = mem.training_memory(report.total_params, 0, report.buffer_numel,
                                          dtype.value, optimizer.value, None, None)[:2]
-            memory += mem.inference_lines(subject, dims, dtype.value,
-                                          (kv_dtype or dtype).value, kernel)
+            memory += served.memory if served else mem.inference_lines(
+                subject, dims, dtype.value, (kv_dtype or dtype).value, kernel)
             how = f"attention kernel: {assumed}, on {device.value}"
             if timeline is not None:
                 from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
@@ -427,6 +457,8 @@ def params(
             data["config"] = cfg.to_dict()
         if timeline is not None:
             data["timeline"] = written
+        if served is not None:
+            data["serving"] = served.record
         print_json(data)
         return
     rows = display_rows(report, depth, expand)
@@ -434,6 +466,8 @@ def params(
     render(report, rows, memory, how, console,
            title=f"parameters: {cfg.kind}, d_model {cfg.d_model}" if cfg is not None
            else f"parameters: {subject.label}")
+    for note in served.notes if served else ():
+        console.print(note, highlight=False)
     if timeline is not None:
         console.print(f"wrote timeline: {timeline} (peak {written['peak_bytes']:,} B at event "
                       f"{written['peak_event']:,} of {written['events']:,}, "

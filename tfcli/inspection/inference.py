@@ -139,8 +139,8 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
     with use_cache=True (and logits_to_keep=1 where the model takes it, as generate() runs
     it), then ``decode_steps(L)`` one-token steps. Returns (the cache object, the last step's
     peak above everything that existed before it, the cache's bytes before that step, the
-    cache's bytes right after the prefill, the prefill's peak above the weights and inputs
-    with the cache it writes counted at ``kv_dtype``)."""
+    cache's bytes right after the prefill, (the prefill's peak above the weights and inputs
+    with the cache it writes counted at ``kv_dtype``, whether it kept the last logits only))."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -161,7 +161,8 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
             after_prefill = sum(n for n, _ in held.values())
             # the peak as if the cache it wrote were kept at kv_dtype: the cache is alive at
             # the prefill's end, where the logits are made
-            prefill_peak = first.peak - after_prefill + _at_kv_dtype(held, kv_dtype or dtype)[0]
+            prefill_peak = (first.peak - after_prefill + _at_kv_dtype(held, kv_dtype or dtype)[0],
+                            "logits_to_keep" in prefill)
             del held
             for last in range(decode_steps(sizes["T" if subject.encoder_decoder else "L"]),
                               0, -1):
@@ -252,7 +253,8 @@ def hf_serving(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
         f"weights "
         f"and the {before:,} B cache it starts with) less the cache's change "
         f"({after - before:+,} B); peak of a decode step = weights + KV cache + this"))
-    return lines, {"prefill": prefill_peak, "prefill_tokens": length - steps, "layers": layers}
+    return lines, {"prefill": prefill_peak[0], "last_logits": prefill_peak[1],
+                   "prefill_tokens": length - steps, "layers": layers}
 
 
 def _prefill_line(subject, sizes, dtype, kernel) -> MemoryLine:

@@ -242,8 +242,8 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
     peaks = [m for m in memory if m.summary]
     mem.add_row(Text("total", style="bold"), Text(human_bytes(sum(m.bytes for m in parts_only)),
                                                   style="bold"),
-                "sum of the lines above" + (" (an upper bound: gradients and activations are "
-                                            "not all alive at once)" if peaks else ""))
+                "sum of the lines above" + (" (an upper bound: they are not all alive at "
+                                            "once)" if peaks else ""))
     for line in peaks:
         mem.add_row(Text(line.name, style="bold"), Text(human_bytes(line.bytes), style="bold"),
                     line.how)
