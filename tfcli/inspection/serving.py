@@ -129,6 +129,7 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
     usable = budget.usable
     found = seen = None
     bound, bound_is = None, None
+    failed: dict[int, str] = {}
     if fit_what == "batch":
         bound, bound_is = BATCH_BOUND, "the largest batch searched"
         found, seen = fit_confirmed(lambda b: at(b, seq_len).need, usable, 1, bound, 2)
@@ -141,8 +142,16 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
         if bound < 2:
             raise TfcliError(f"--fit seq-len: {bound_is} is {bound}; --inference needs at "
                              f"least 2 positions (a prefill and a decode step)")
-        found, seen = fit_confirmed(lambda n: at(batch, n).need, usable, 2, bound,
-                                    min(bound, FIRST_LENGTH))
+
+        def need(n: int) -> int | None:  # a length the model cannot run does not fit
+            try:
+                return at(batch, n).need
+            except TfcliError as error:
+                if n == 2:
+                    raise
+                failed[n] = str(error)
+                return None
+        found, seen = fit_confirmed(need, usable, 2, bound, min(bound, FIRST_LENGTH))
         seq_len = found or 2
     point = at(batch, seq_len)
     record = {"need_bytes": point.need, "moment": point.moment,
@@ -155,7 +164,8 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
         tried = sorted(seen.items())
         record["fit"] = {"what": fit_what, "largest": found, "bound": bound,
                          "at_bound": found == bound, "bound_is": bound_is,
-                         "replays": [{"at": x, "need_bytes": n} for x, n in tried],
+                         "replays": [{"at": x, "need_bytes": n}
+                                     for x, n in tried],
                          "searched": "the serving peak replayed at each size tried: the line "
                                      "through two replays predicts the boundary, the answer "
                                      "and the answer + 1 are replayed"}
@@ -166,6 +176,12 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
         elif found == bound:
             notes.append(f"largest {what} that fits: {found:,}; that is {bound_is}, so more "
                          f"may fit ({len(tried)} replays)")
+        elif found + 1 in failed:
+            record["fit"]["fails_at"] = {"at": found + 1, "error": failed[found + 1]}
+            notes.append(f"largest {what} that fits: {found:,} (replayed: needs "
+                         f"{human_bytes(seen[found])}; at {found + 1:,} the model's forward "
+                         f"fails, so that is its limit, not the device's: "
+                         f"{failed[found + 1]}; {len(tried)} replays in all)")
         else:
             notes.append(f"largest {what} that fits: {found:,} (replayed: needs "
                          f"{human_bytes(seen[found])}; {found + 1:,} needs "

@@ -148,71 +148,74 @@ def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> i
     return lo
 
 
-def fit_confirmed(evaluate: Callable[[int], int], capacity: int, low: int, high: int,
-                  second: int | None = None) -> tuple[int | None, dict[int, int]]:
+def fit_confirmed(evaluate: Callable[[int], int | None], capacity: int, low: int, high: int,
+                  second: int | None = None) -> tuple[int | None, dict[int, int | None]]:
     """The largest x in [low, high] with evaluate(x) <= capacity, and every x evaluated with
-    what it needed. Where the answer is below ``high``, the answer and the answer + 1 were both
-    evaluated (one fits, the next does not): the answer is confirmed, not extrapolated.
+    what it needed (None: ``evaluate`` could not run there, which counts as not fitting).
+    Where the answer is below ``high``, the answer and the answer + 1 were both evaluated
+    (one fits, the next does not): the answer is confirmed, not extrapolated.
 
     For a need that is linear in x (a serving step in the batch) or piecewise linear (in the
-    length, with sliding windows), evaluations are few: the line through the two latest
-    points predicts the boundary (between the largest x that fits and the smallest that does
-    not, once one is known), each prediction is evaluated with its neighbour across the
-    boundary, and a prediction that fails to halve the interval is followed by a bisection
-    (by a doubling while nothing is known not to fit).
-    ``second`` is the second point tried (default low + 1)."""
-    seen: dict[int, int] = {}
+    length, with sliding windows), evaluations are few: the line through two evaluated points
+    predicts the boundary (the ends of the interval once something is known not to fit, else
+    the two largest points that fit), each prediction is evaluated with its neighbour across
+    the boundary, and a prediction that fails to halve the interval is followed by a bisection
+    (by a doubling while nothing is known not to fit). ``second`` is the second point tried
+    (default low + 1)."""
+    seen: dict[int, int | None] = {}
 
-    def need(x: int) -> int:
+    def fits(x: int) -> bool:
         if x not in seen:
             seen[x] = evaluate(x)
-        return seen[x]
+        return seen[x] is not None and seen[x] <= capacity
 
-    if need(low) > capacity:
+    if not fits(low):
         return None, seen
     lo, hi = low, high + 1  # lo fits; hi does not (high + 1: nothing known above high yet)
-    probe = min(high, max(low + 1, second or low + 1))
-    bisect = predicted = False
-    first = True  # the second point is a measurement, not a prediction: no neighbour
+    probe, predicted = min(high, max(low + 1, second or low + 1)), False
     while hi - lo > 1:
         if probe is None:
-            first, predicted = False, not bisect
-            probe = _predict(seen, lo, hi, high, capacity) if predicted else \
-                (lo + hi) // 2 if hi <= high else min(high, 2 * lo)
+            guess = _predict(seen, lo, hi, high, capacity) if predicted else None
+            predicted = guess is not None
+            probe = guess if predicted else (lo + hi) // 2 if hi <= high else min(high, 2 * lo)
         probe = max(lo + 1, min(hi - 1, probe))
         width, bounded = hi - lo, hi <= high
-        if need(probe) <= capacity:
+        if fits(probe):
             lo = probe
-            if not first and lo + 1 < hi and lo + 1 <= high:  # its neighbour: is the boundary here?
-                if need(lo + 1) <= capacity:
+            if predicted and lo + 1 < hi:  # its neighbour: is the boundary here?
+                if fits(lo + 1):
                     lo += 1
                 else:
                     hi = lo + 1
         else:
             hi = probe
-            if not first and hi - 1 > lo:
-                if need(hi - 1) <= capacity:
+            if predicted and hi - 1 > lo:
+                if fits(hi - 1):
                     lo = hi - 1
                 else:
                     hi -= 1
         # a prediction that did not halve the interval (or, with nothing known not to fit,
         # that fell short of the boundary) is followed by a bisection (or a doubling)
-        bisect = predicted and (hi - lo > width // 2 if bounded else hi > high)
+        predicted = not (predicted and (hi - lo > width // 2 if bounded else hi > high))
         probe = None
     return lo, seen
 
 
-def _predict(seen: dict[int, int], lo: int, hi: int, high: int, capacity: int) -> int:
-    """Where the line through two evaluated points meets ``capacity``: the bracket's ends
-    once something is known not to fit, else the two largest points that fit."""
-    if hi <= high:
+def _predict(seen: dict[int, int | None], lo: int, hi: int, high: int,
+             capacity: int) -> int | None:
+    """Where the line through two evaluated points meets ``capacity``: the interval's ends
+    once something is known not to fit, else the two largest points that fit; None where no
+    line helps (the point above could not be evaluated, and the line through those below
+    lands beyond it)."""
+    if hi <= high and seen[hi] is not None:
         a, b = lo, hi
     else:
-        below = sorted(x for x in seen if x < lo)
+        below = sorted(x for x in seen if x < lo and seen[x] is not None)
         if not below:
-            return lo + 1
+            return lo + 1 if hi > high else None
         a, b = below[-1], lo
     slope = (seen[b] - seen[a]) / (b - a)
-    if slope <= 0:  # not growing: try the end of the range
-        return high if hi > high else hi - 1
-    return a + int((capacity - seen[a]) // slope)
+    guess = high if slope <= 0 else a + int((capacity - seen[a]) // slope)
+    if hi <= high and seen[hi] is None and guess >= hi - 1:
+        return None
+    return guess
