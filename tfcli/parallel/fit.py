@@ -156,9 +156,9 @@ def fit_confirmed(evaluate: Callable[[int], int | None], capacity: int, low: int
     (one fits, the next does not): the answer is confirmed, not extrapolated.
 
     For a need that is linear in x (a serving step in the batch) or piecewise linear (in the
-    length, with sliding windows), evaluations are few: the line through two evaluated points
-    predicts the boundary (the ends of the interval once something is known not to fit, else
-    the two largest points that fit), each prediction is evaluated with its neighbour across
+    length, with sliding windows), evaluations are few: the line through the two largest
+    points that fit predicts the boundary (the chord across the interval where that line
+    leaves it), each prediction is evaluated with its neighbour across
     the boundary, and a prediction that fails to halve the interval is followed by a bisection
     (by a doubling while nothing is known not to fit). ``second`` is the second point tried
     (default low + 1)."""
@@ -203,19 +203,19 @@ def fit_confirmed(evaluate: Callable[[int], int | None], capacity: int, low: int
 
 def _predict(seen: dict[int, int | None], lo: int, hi: int, high: int,
              capacity: int) -> int | None:
-    """Where the line through two evaluated points meets ``capacity``: the interval's ends
-    once something is known not to fit, else the two largest points that fit; None where no
-    line helps (the point above could not be evaluated, and the line through those below
-    lands beyond it)."""
-    if hi <= high and seen[hi] is not None:
-        a, b = lo, hi
-    else:
-        below = sorted(x for x in seen if x < lo and seen[x] is not None)
-        if not below:
-            return lo + 1 if hi > high else None
-        a, b = below[-1], lo
-    slope = (seen[b] - seen[a]) / (b - a)
-    guess = high if slope <= 0 else a + int((capacity - seen[a]) // slope)
+    """Where the line through the two largest points that fit meets ``capacity`` (the chord
+    from ``lo`` to ``hi`` where that lands beyond ``hi``); None where no line helps (the
+    point above could not be evaluated, and the line lands beyond it)."""
+    def meets(a: int, b: int) -> int:
+        slope = (seen[b] - seen[a]) / (b - a)
+        return high if slope <= 0 else a + int((capacity - seen[a]) // slope)
+
+    below = sorted(x for x in seen if x < lo and seen[x] is not None)
+    guess = meets(below[-1], lo) if below else None  # the line the last two that fit follow
+    if hi <= high and seen[hi] is not None and (guess is None or guess >= hi - 1):
+        guess = meets(lo, hi)  # the chord across the interval
+    if guess is None:
+        return lo + 1 if hi > high else None
     if hi <= high and seen[hi] is None and guess >= hi - 1:
         return None
     return guess

@@ -1,0 +1,177 @@
+"""`params --inference --device-memory [--fit batch|seq-len]`: the boundary tfcli finds is the
+one a real CPU run of Transformers' own model and cache crosses, as torch's MemTracker measures
+it; the search's answer is replayed, and the answer + 1 replayed not to fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_inference import CONFIGS, _storage_bytes_held
+from tfcli.parallel.fit import fit_confirmed
+
+transformers = pytest.importorskip("transformers")
+
+
+def _real_peak(config, batch: int, length: int) -> tuple[int, object]:
+    """MemTracker's peak (weights, buffers and every tensor alive) over a real CPU prefill of
+    length − 2 tokens (logits_to_keep=1, as generate() asks) and two decode steps; the cache."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, length))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, torch.no_grad():
+        out = model(input_ids=ids[:, :-2], use_cache=True, logits_to_keep=1)
+        for i in (length - 2, length - 1):
+            tracker.reset_mod_stats()  # one forward per module, as MemTracker asks
+            out = model(input_ids=ids[:, i:i + 1], past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], \
+        out.past_key_values
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    paths = {}
+    for name in ("llama", "mistral", "gemma2"):
+        paths[name] = root / f"{name}.json"
+        CONFIGS[name]().to_json_file(paths[name])
+    return paths
+
+
+def _serve(cli, *args) -> dict:
+    result = cli("params", *args, "--inference", "--reserve", "0", "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name,fit,fixed,around", [
+    ("llama", "batch", ("--seq-len", "12"), 5),  # GQA: 2 KV heads kept for 4
+    ("mistral", "seq-len", ("--batch-size", "2"), 30),  # window 5 < L: the cache stops growing
+])
+def test_fit_finds_the_boundary_a_real_run_crosses(cli, configs, name, fit, fixed, around):
+    def real(x):
+        return _real_peak(CONFIGS[name](), *((x, 12) if fit == "batch" else (2, x)))
+
+    (fits, cache), (over, _) = real(around), real(around + 1)
+    device = (fits + over) // 2  # between the real peaks at `around` and `around` + 1
+    data = _serve(cli, "--model", f"hf:{configs[name]}", *fixed, "--fit", fit,
+                  "--device-memory", f"{device}B")
+    serving = data["serving"]
+    assert serving["fit"]["largest"] == around
+    assert serving["device"]["fits"] and serving["need_bytes"] <= device
+    # the lines are those at the answer: the cache Transformers holds there, to the byte
+    kv = {m["name"]: m["bytes"] for m in data["memory"]}["KV cache"]
+    assert kv == _storage_bytes_held(cache)
+    # the serving peak is the real run's, less the token ids tfcli leaves out
+    assert abs(serving["need_bytes"] - fits) <= 2 * around * 12 * 8
+    replays = {r["at"]: r["need_bytes"] for r in serving["fit"]["replays"]}
+    assert replays[around + 1] > device >= replays[around]
+    assert len(replays) <= 6  # predicted from the line through two replays, then confirmed
+
+
+def test_window_note_and_unbounded_cache(cli, configs):
+    """Gemma 2's interleaved layers: one windowed, one global; a budget large enough for the
+    whole range stops at max_position_embeddings and says so."""
+    data = _serve(cli, "--model", f"hf:{configs['gemma2']}", "--batch-size", "1", "--fit",
+                  "seq-len", "--device-memory", "1GiB")
+    fit = data["serving"]["fit"]
+    assert fit["largest"] == fit["bound"] == CONFIGS["gemma2"]().max_position_embeddings
+    assert "max_position_embeddings" in fit["bound_is"]
+    assert data["serving"]["cache_capped_at"] == 5
+
+
+def test_device_memory_says_whether_serving_fits(cli, configs):
+    peak, _ = _real_peak(CONFIGS["llama"](), 2, 12)
+    for device, fits in ((peak + 4096, True), (peak - 4096, False)):
+        serving = _serve(cli, "--model", f"hf:{configs['llama']}", "--seq-len", "12",
+                         "--batch-size", "2", "--device-memory", f"{device}B")["serving"]
+        assert serving["device"]["fits"] is fits
+
+
+def test_table_names_the_answer_and_its_neighbour(cli):
+    result = cli("params", "--preset", "tiny", "--inference", "--seq-len", "32", "--depth",
+                 "0", "--device-memory", "4MiB", "--fit", "batch")
+    assert result.exit_code == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "serving peak" in out and "largest batch that fits:" in out
+    assert "above the" in out and "usable" in out
+
+
+def test_own_model_with_a_window_says_the_cache_stops_growing(cli):
+    data = _serve(cli, "--preset", "tiny", "--set", "attention_window=8", "--batch-size", "2",
+                  "--fit", "seq-len", "--device-memory", "64MiB")
+    assert data["serving"]["cache_capped_at"] == 8
+    assert data["serving"]["fit"]["largest"] >= 8
+
+
+POSITIONS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(50, 16), nn.Embedding(24, 16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos.weight[:ids.shape[1]]  # 24 positions at most
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+'''
+
+
+def test_user_module_context_stops_where_its_forward_fails(cli, tmp_path, monkeypatch):
+    (tmp_path / "net.py").write_text(POSITIONS)
+    monkeypatch.chdir(tmp_path)
+    data = _serve(cli, "--model", "net.py:Net", "--input", "ids=int64[B,L]<50", "--batch-size",
+                  "2", "--fit", "seq-len", "--device-memory", "1GiB")
+    fit = data["serving"]["fit"]
+    assert fit["largest"] == 24 and fit["fails_at"]["at"] == 25
+    namespace: dict = {}
+    exec(POSITIONS, namespace)
+    net = namespace["Net"]()
+    net(torch.zeros(2, 24, dtype=torch.long))  # the real module runs at the answer ...
+    with pytest.raises(RuntimeError):  # ... and not one position beyond
+        net(torch.zeros(2, 25, dtype=torch.long))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--seq-len", "8", "--fit", "batch"], "add --device-memory"),
+    (["--device-memory", "1GiB", "--fit", "batch"], "add --seq-len"),
+    (["--seq-len", "8", "--device-memory", "1GiB", "--fit", "seq-len"], "--fit seq-len searches"),
+    (["--seq-len", "8", "--batch-size", "2", "--device-memory", "1GiB", "--fit", "batch"],
+     "--fit batch searches"),
+    (["--seq-len", "8", "--parallel", "dp=2"], "--parallel: the per-rank plan sizes a training"),
+    (["--seq-len", "8", "--device-memory", "lots"], "expected a size"),
+])
+def test_serving_bad_input(cli, args, words):
+    result = cli("params", "--preset", "tiny", "--inference", *args)
+    assert result.exit_code == 2 and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("need,low,high,answer", [
+    (lambda x: 100 + 7 * x, 1, 5000, 128),  # linear: 4 evaluations
+    (lambda x: 100 + 7 * min(x, 40) + x // 5, 2, 5000, 3104),  # a window, then slow growth
+    (lambda x: 100 + x * x, 2, 5000, 30),  # quadratic (math attention's scores)
+    (lambda x: None if x > 77 else 100 + x, 2, 5000, 77),  # cannot run past 77
+    (lambda x: 100 + x, 2, 500, 500),  # everything fits: the bound
+])
+def test_fit_confirmed_answer_is_evaluated_and_the_next_does_not_fit(need, low, high, answer):
+    found, seen = fit_confirmed(need, 1000, low, high, second=min(high, 1024))
+    assert found == answer
+    assert seen[found] <= 1000
+    if found < high:
+        assert seen[found + 1] is None or seen[found + 1] > 1000
+    truth = max(x for x in range(low, high + 1) if need(x) is not None and need(x) <= 1000)
+    assert found == truth and len(seen) <= 20
