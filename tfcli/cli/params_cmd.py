@@ -283,7 +283,8 @@ def params(
         help="Micro-batches per step with pipeline parallelism (default: pp).")] = None,
     device_memory: Annotated[Optional[str], typer.Option(
         metavar="SIZE|GPU", show_default=False,
-        help="Per-rank device memory, e.g. 80GiB or H100: prints the headroom.")] = None,
+        help="Per-rank device memory, e.g. 80GiB or H100: prints the headroom (with "
+             "--inference: of serving on one device).")] = None,
     reserve: Annotated[Optional[str], typer.Option(
         metavar="SIZE", show_default=False,
         help="Memory kept back from --device-memory for what a real GPU also holds (CUDA "
@@ -291,7 +292,8 @@ def params(
              "none.")] = None,
     fit_: Annotated[Optional[Fit], typer.Option(
         "--fit", show_default=False,
-        help="Search the largest --batch-size or --seq-len that fits --device-memory.")] = None,
+        help="Search the largest --batch-size or --seq-len that fits --device-memory (a "
+             "training step per rank, or serving with --inference).")] = None,
     wrap: Annotated[Optional[str], typer.Option(
         "--wrap", metavar="CLASS", show_default=False,
         help="FSDP wrap units for a --model's per-rank plan: every outermost module of this "
