@@ -319,6 +319,55 @@ def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mi
     real.optimizer.zero_grad(set_to_none=True)
 
 
+def test_a_keep_output_loop_holds_the_logits_through_the_step():
+    """nanoGPT's loop (``logits, loss = model(x, y)``) holds the logits through backward and
+    the optimizer step; cross-entropy saves its log-softmax, not the logits, so the step's peak
+    grows by B·T·V·4 bytes (fp32). The replay of that loop against the profiler's peak of a
+    real step written that way (tiny, B = 2, L = 16)."""
+    from tfcli.inspection.memory import estimate_step_peak
+
+    cfg = get_preset("tiny")
+    subject, sizes = OwnSubject(cfg), dict(B=2, S=16, T=16)
+    kept = estimate_step_peak(subject, sizes, "fp32", None, "adamw", loop="keep-output")
+    freed = estimate_step_peak(subject, sizes, "fp32", None, "adamw")
+    assert kept - freed == 2 * 16 * cfg.tgt_vocab_size * 4
+    assert abs(kept - real_adamw_step(subject, sizes, keep_output=True).peak) <= 64
+
+
+def test_the_loop_is_said_and_chosen(cli):
+    """--loop: the JSON and the table say which loop the figures assume; keep-output adds a
+    line of the held logits (B·T·V·4 B: tiny's cross-entropy does not save them)."""
+    def run(*args):
+        # the sizes and optimizer of the test above: its step replays are remembered
+        out = cli("params", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2",
+                  "--optimizer", "adamw", *args)
+        assert out.exit_code == 0, out.stderr
+        return out.stdout
+
+    freed, kept = (json.loads(run("--json", *a)) for a in ([], ["--loop", "keep-output"]))
+    assert (freed["loop"], kept["loop"]) == ("loss-only", "keep-output")
+    lines = {m["name"]: m["bytes"] for m in kept["memory"]}
+    held = 2 * 16 * get_preset("tiny").tgt_vocab_size * 4
+    assert lines["activations: model output held"] == held
+    assert "activations: model output held" not in {m["name"] for m in freed["memory"]}
+    peak = "peak of a training step"
+    assert lines[peak] - {m["name"]: m["bytes"] for m in freed["memory"]}[peak] == held
+    assert "keeps the model's output" in kept["activations_method"]
+    assert "output is freed before backward" in run("--depth", "0")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--loop", "keep-output"], "--loop changes the activations, which need a length"),
+    (["--loop", "keep-output", "--seq-len", "8", "--inference"],
+     "--loop applies to training memory"),
+    (["--loop", "logits", "--seq-len", "8"], "'logits' is not one of"),
+])
+def test_loop_bad_input(cli, args, words):
+    result = cli("params", "--preset", "tiny", *args)
+    assert result.exit_code == 2 and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 def test_the_optimizer_implementation_follows_the_device(cli):
     """--optimizer-impl auto is what PyTorch picks (CPU: for-loop, CUDA: foreach); foreach
     holds a temporary per parameter at once, fused none; a forced choice is replayed."""

@@ -380,6 +380,26 @@ def test_training_step_peak_equals_the_profilers_on_a_real_step(zoo, name):
     assert abs(replayed - real_adamw_step(subject, sizes).peak) <= 64
 
 
+def test_a_keep_output_loop_on_a_transformers_model_equals_the_profilers(zoo):
+    """A loop that holds Transformers' output (``out = model(**batch)``) through backward and
+    the optimizer step, under bf16 autocast: the replay against the profiler's peak of a real
+    step written that way. The loss upcasts the bf16 logits, so autograd saves the fp32 copy
+    and the held logits add B·L·V·2 bytes (qwen2, B = 2, L = 64)."""
+    from real_steps import real_adamw_step
+    from tfcli.inspection.memory import estimate_activations, estimate_step_peak
+    from tfcli.subjects import resolve_subject
+
+    subject = resolve_subject(model=f"hf:{zoo['qwen2']}")
+    sizes = {**subject.default_sizes, "B": 2, "L": 64, "S": 64, "T": 64}
+    kept = estimate_step_peak(subject, sizes, "fp32", "bf16", "adamw", loop="keep-output")
+    freed = estimate_step_peak(subject, sizes, "fp32", "bf16", "adamw")
+    logits = 2 * 64 * config_of("qwen2").vocab_size * 2
+    assert kept - freed == logits
+    assert estimate_activations(subject, sizes, "fp32", "bf16",
+                                loop="keep-output")[0].held_output == logits
+    assert abs(kept - real_adamw_step(subject, sizes, "bf16", keep_output=True).peak) <= 64
+
+
 def test_a_configuration_transformers_cannot_run_fails_in_one_line(cli, tmp_path, lean):
     """DeepSeek-V3's attention with fewer K/V heads than query heads (its published configs
     have as many): Transformers' own model raises on a real run; each command that runs the

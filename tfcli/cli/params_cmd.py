@@ -54,6 +54,11 @@ class TrainDevice(str, Enum):
     cuda = "cuda"
 
 
+class Loop(str, Enum):
+    loss_only = "loss-only"
+    keep_output = "keep-output"
+
+
 class Checkpointing(str, Enum):
     none = "none"
     selective = "selective"
@@ -138,6 +143,8 @@ def _rank_timeline(v) -> str | None:
     if v.mixed_precision is not Mixed.none:
         return (f"{wanted} in one dtype; FSDP's mixed precision is not drawn yet: drop "
                 f"--mixed-precision")
+    if v.loop is not Loop.loss_only:
+        return f"{wanted} with a loss-only loop; drop --loop {v.loop.value}"
     return None
 
 
@@ -184,6 +191,7 @@ RULES = Rules(
     Rule("checkpointing", CHANGES_ACTIVATIONS),
     Rule("micro_batches", CHANGES_ACTIVATIONS),
     Rule("optimizer", TRAINING),
+    Rule("loop", CHANGES_ACTIVATIONS, TRAINING),
     Rule("reserve", Needs(lambda v: v.device_memory is not None, "only with --device-memory",
                           "is kept back from --device-memory: add --device-memory SIZE|GPU")),
     Rule("optimizer_impl", STEP, TRAINING,
@@ -258,6 +266,11 @@ def params(
         help="SDPA kernel assumed for activations: math keeps [B, h, T, S] scores and weights; "
              "flash/efficient keep only a [B, h, T] log-sum-exp; auto is what SDPA picks on "
              "--device.")] = Kernel.auto,
+    loop: Annotated[Loop, typer.Option(
+        help="The training loop the step is replayed as: loss-only frees the model's output "
+             "once the loss is computed (loss_fn(model(x)).backward()); keep-output holds it "
+             "until the step ends, as nanoGPT's `logits, loss = model(x, y)` does (its logits "
+             "stay alive through backward).")] = Loop.loss_only,
     keep_grads: Annotated[bool, typer.Option(
         "--keep-grads", help="The peak line with gradients kept between steps "
                              "(zero_grad(set_to_none=False)).")] = False,
@@ -361,7 +374,8 @@ def params(
                                checkpointing.value if checkpointing else None, dtype.value, mixed,
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
-                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank)
+                               lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
+                               loop.value)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)
@@ -415,7 +429,8 @@ def params(
                               f"DynamicCache grows (a rolling buffer with a sliding window)"})
         else:
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
-                                                        kernel, freeze=tuple(freeze or ()))
+                                                        kernel, freeze=tuple(freeze or ()),
+                                                        loop=loop.value)
             how += f"; attention kernel: {assumed}, on {device.value}"
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
@@ -432,13 +447,13 @@ def params(
             memory += mem.training_step_lines(
                 subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
                 by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
-                recorder, impl, impl_why, tuple(freeze or ()))
+                recorder, impl, impl_why, tuple(freeze or ()), loop.value)
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
                 written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {
                     "what": f"one training step (forward, loss, backward, "
                             f"{optimizer.value}.step() {impl}, zero_grad(set_to_none="
-                            f"{not keep_grads}))",
+                            f"{not keep_grads})); {mem.LOOP_WORDS[loop.value]}",
                     "model": subject.label, "sizes": mem._sizes_text(subject, dims),
                     "precision": precision, "kernel": assumed,
                     "method": f"fake-tensor replay of the step on {device.value} kernels, "
@@ -454,6 +469,7 @@ def params(
                     activations_method=how or None,
                     dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
                     optimizer_impl=impl if activations is not None else None,
+                    loop=loop.value if activations is not None else None,
                     subject=subject.describe())
         if cfg is not None:
             data["config"] = cfg.to_dict()

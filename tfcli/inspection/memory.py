@@ -34,6 +34,33 @@ def dtype_bytes(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
 
 
+# The training loop a replay assumes, as people write it. "loss-only": ``loss_fn(model(x))
+# .backward()``, the model's output dropped once the loss is computed (autograd keeps what it
+# saved of it). "keep-output": ``out = model(x); loss_fn(out).backward(); opt.step()`` — as
+# nanoGPT's ``logits, loss = model(x, y)`` — the output held until the step ends, so logits
+# autograd did not save stay alive through backward and the optimizer step.
+LOOPS = ("loss-only", "keep-output")
+LOOP_WORDS = {"loss-only": "loop keeps only the loss: the model's output is freed before "
+                           "backward",
+              "keep-output": "loop keeps the model's output (out = model(x); "
+                             "loss_fn(out).backward()) until the step ends"}
+
+
+def _output_bytes(output, skip: set[int]) -> int:
+    """Bytes of the distinct storages of the tensors in ``output`` whose storage is not in
+    ``skip``: what holding the output keeps alive beyond what is kept anyway."""
+    seen, total = set(skip), 0
+    leaves = tree_flatten(output)[0]
+    if not any(isinstance(t, Tensor) for t in leaves):  # a ModelOutput pytree does not know
+        leaves = list(output.values()) if hasattr(output, "values") else \
+            list(output) if isinstance(output, (tuple, list)) else [output]
+    for t in leaves:
+        if isinstance(t, Tensor) and id(t.untyped_storage()) not in seen:
+            seen.add(id(t.untyped_storage()))
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 class _LiveStorages(TorchDispatchMode):
     """Counts bytes of storages created by ops and still alive; keeps the running peak."""
 
@@ -148,11 +175,14 @@ class ActivationEstimate:
     # with units: what each saved for backward (by kind), and the bytes it was called with
     unit_saved: list[dict[str, int]] = field(default_factory=list)
     unit_inputs: list[int] = field(default_factory=list)
+    # the model's output held through backward (loop "keep-output") beyond what autograd saved
+    held_output: int = 0
 
     @property
     def working_bytes(self) -> int:
-        """What backward needs beyond the saved tensors at the peak (gradients in flight)."""
-        return self.peak_bytes - sum(self.saved_bytes.values())
+        """What backward needs beyond the saved tensors (and the held output) at the peak:
+        gradients in flight."""
+        return self.peak_bytes - sum(self.saved_bytes.values()) - self.held_output
 
 
 def simulate_training_step(build: Callable[[], nn.Module],
@@ -160,12 +190,13 @@ def simulate_training_step(build: Callable[[], nn.Module],
                            loss: Callable[[object], Tensor],
                            autocast_dtype: torch.dtype | None = None,
                            device: str = "cpu", kernel: str = "auto",
-                           units: Callable[[nn.Module], list[nn.Module]] | None = None
-                           ) -> ActivationEstimate:
+                           units: Callable[[nn.Module], list[nn.Module]] | None = None,
+                           loop: str = "loss-only") -> ActivationEstimate:
     """Peak activation bytes of ``loss(model(inputs)).backward()`` with gradients already
     allocated (they are accounted for separately), computed on fake tensors. ``make_inputs``
     returns a dict of keyword arguments or an ``Inputs``. ``units`` (model -> modules) also
-    splits the saved bytes by the unit whose forward saved them."""
+    splits the saved bytes by the unit whose forward saved them; ``loop`` (LOOPS) whether the
+    output is held through backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.inspection.ops import OpObserver
@@ -196,16 +227,20 @@ def simulate_training_step(build: Callable[[], nn.Module],
             try:
                 with running(model, during=REPLAY), amp, attention_kernel(kernel), \
                         OpObserver(saved.on_op):
-                    out = loss(inputs(model))
+                    output = inputs(model)
+                    out = loss(output)
             finally:
                 for handle in handles:
                     handle.remove()
+            held = _output_bytes(output, set(saved.by_storage)) if loop == "keep-output" else 0
+            if loop != "keep-output":
+                del output
             sums = saved.sums()
             unit_saved = [saved.sums(i) for i in range(len(blocks))]
             with running(model, "backward pass", REPLAY):
                 out.backward()
             del out
-    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs)
+    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held)
 
 
 # --- the attention kernel a replay assumes -----------------------------------------------------
@@ -330,13 +365,14 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
                   loss: Callable[[object], Tensor], optimizer: str,
                   autocast_dtype: torch.dtype | None = None, device: str = "cpu",
                   kernel: str = "auto", keep_grads: bool = False, timeline=None,
-                  optimizer_impl: str = "for-loop") -> StepReplay:
+                  optimizer_impl: str = "for-loop", loop: str = "loss-only") -> StepReplay:
     """Peak bytes of one steady-state training step as PyTorch's default loop runs it —
     forward; backward, gradients allocated as produced while activations are freed;
     ``optimizer.step()`` with its temporaries (``optimizer_impl``: for-loop, foreach or fused,
     forced); ``zero_grad(set_to_none=not keep_grads)`` — above the weights, buffers, optimizer
-    state, inputs (and kept gradients), which exist before the step. Replayed on fake tensors:
-    nothing is allocated. ``timeline``: a tfcli.inspection.timeline.TimelineRecorder that
+    state, inputs (and kept gradients), which exist before the step; ``loop`` (LOOPS): the
+    model's output freed before backward, or held until the step ends. Replayed on fake
+    tensors: nothing is allocated. ``timeline``: a tfcli.inspection.timeline.TimelineRecorder that
     records every allocation and free."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -363,7 +399,10 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
                else contextlib.nullcontext())
         with live:
             with running(model, during=REPLAY), amp, attention_kernel(kernel):
-                out = loss(inputs(model))
+                output = inputs(model)
+                out = loss(output)
+            if loop != "keep-output":
+                del output
             live.phase("backward")
             with running(model, "backward pass", REPLAY):
                 out.backward()
@@ -376,6 +415,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
             temporaries, live.peak = live.peak - at_start, max(so_far, live.peak)
             live.phase("zero_grad")
             opt.zero_grad(set_to_none=not keep_grads)
+            output = None  # the step ends: a kept output goes (after the peak, if any)
     return StepReplay(live.peak, temporaries)
 
 
@@ -501,6 +541,11 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
             MemoryLine("activations: backward working set", activations.working_bytes,
                        "gradients in flight at the peak of backward"),
         ]
+        if activations.held_output:
+            lines.insert(-1, MemoryLine(
+                "activations: model output held", activations.held_output,
+                "the model's output, held through backward by a keep-output loop, less what "
+                "autograd saves of it anyway"))
     return lines
 
 
@@ -528,25 +573,30 @@ def _sizes_text(subject, sizes: dict[str, int]) -> str:
 def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                          mixed: str | None = None, kernel: str = "auto",
                          units: Callable[[nn.Module], list[nn.Module]] | None = None,
-                         freeze: tuple[str, ...] = ()) -> tuple[ActivationEstimate, str]:
+                         freeze: tuple[str, ...] = (),
+                         loop: str = "loss-only") -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
     and a line saying how it was found; ``units``: see simulate_training_step; ``freeze``:
-    --freeze's patterns."""
+    --freeze's patterns; ``loop``: LOOPS."""
     if units is None and _remembers(subject):
         estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype,
-                                    mixed=mixed, kernel=kernel, freeze=tuple(freeze))
+                                    mixed=mixed, kernel=kernel, freeze=tuple(freeze),
+                                    loop=loop)
         return replace(estimate, saved_bytes=dict(estimate.saved_bytes)), how
-    return _replay_activations(subject, sizes, dtype, mixed, kernel, units, tuple(freeze))
+    return _replay_activations(subject, sizes, dtype, mixed, kernel, units, tuple(freeze),
+                               loop)
 
 
-def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze=()):
+def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze=(),
+                        loop="loss-only"):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
-                                      kernel=kernel, units=units)
+                                      kernel=kernel, units=units, loop=loop)
     how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
            f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
            + (f", {', '.join(freeze)} frozen" if freeze else "")
+           + f"; {LOOP_WORDS[loop]}"
            + "".join(f"; {line}" for line in subject.assumptions()))
     return estimate, how
 
@@ -554,31 +604,31 @@ def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                        timeline=None, optimizer_impl: str = "for-loop",
-                       freeze: tuple[str, ...] = ()) -> int:
+                       freeze: tuple[str, ...] = (), loop: str = "loss-only") -> int:
     return estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                         optimizer_impl, freeze).peak
+                         optimizer_impl, freeze, loop).peak
 
 
 def estimate_step(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                   optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                   timeline=None, optimizer_impl: str = "for-loop",
-                  freeze: tuple[str, ...] = ()) -> StepReplay:
+                  freeze: tuple[str, ...] = (), loop: str = "loss-only") -> StepReplay:
     """The replayed step (see simulate_step) of ``subject`` at ``sizes``; ``freeze``:
-    --freeze's patterns."""
+    --freeze's patterns; ``loop``: LOOPS."""
     if timeline is None and _remembers(subject):
         return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
                            optimizer=optimizer, kernel=kernel, keep_grads=keep_grads,
-                           optimizer_impl=optimizer_impl, freeze=tuple(freeze))
+                           optimizer_impl=optimizer_impl, freeze=tuple(freeze), loop=loop)
     return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                        optimizer_impl, timeline, tuple(freeze))
+                        optimizer_impl, timeline, tuple(freeze), loop)
 
 
 def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                 optimizer_impl="for-loop", timeline=None, freeze=()):
+                 optimizer_impl="for-loop", timeline=None, freeze=(), loop="loss-only"):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
                          DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
-                         timeline=timeline, optimizer_impl=optimizer_impl)
+                         timeline=timeline, optimizer_impl=optimizer_impl, loop=loop)
 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
@@ -633,13 +683,14 @@ _IMPL_WORDS = {"for-loop": "a few temporaries the size of one parameter at a tim
 def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                         optimizer: str, kernel: str, keep_grads: bool, resident: int,
                         grads: int, timeline=None, optimizer_impl: str = "for-loop",
-                        impl_why: str = "", freeze: tuple[str, ...] = ()) -> list[MemoryLine]:
+                        impl_why: str = "", freeze: tuple[str, ...] = (),
+                        loop: str = "loss-only") -> list[MemoryLine]:
     """The optimizer step's temporaries and the peak of one steady-state training step: what
     exists before it (weights, buffers, optimizer state, kept gradients) plus the replayed
     step's own peak above that; ``timeline`` (a TimelineRecorder) records the same replay's
-    events; ``impl_why`` says where ``optimizer_impl`` came from."""
+    events; ``impl_why`` says where ``optimizer_impl`` came from; ``loop``: LOOPS."""
     step = estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                         optimizer_impl, freeze)
+                         optimizer_impl, freeze, loop)
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
@@ -650,7 +701,8 @@ def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str |
             MemoryLine("peak of a training step", before + step.peak,
                        f"weights + buffers + optimizer state{' + gradients' if keep_grads else ''}"
                        f" + the step's own peak ({step.peak:,} B: forward, backward, "
-                       f"{optimizer}.step() {optimizer_impl}), fake-tensor replay; {zero}", True)]
+                       f"{optimizer}.step() {optimizer_impl}), fake-tensor replay; {zero}; "
+                       f"{LOOP_WORDS[loop]}", True)]
 
 
 def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,

@@ -44,6 +44,7 @@ class Replay:
     per_layer_attention: int  # of which [B, h, T, S] attention matrices
     rest: int  # the peak less all layers' saved bytes: embeddings, output, loss, working set
     how: str
+    held_output: int = 0  # of the rest: the model's output a keep-output loop holds
 
 
 def share_config(cfg: Config, t: int, n_enc: int, n_dec: int) -> Config:
@@ -61,10 +62,11 @@ def share_config(cfg: Config, t: int, n_enc: int, n_dec: int) -> Config:
 @functools.lru_cache(maxsize=64)  # --fit asks again for sizes it has seen
 def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp32",
                  mixed: str | None = None, kernel: str = "auto",
-                 depth: tuple[int, int] = (1, 1)) -> Replay:
+                 depth: tuple[int, int] = (1, 1), loop: str = "loss-only") -> Replay:
     """Replays at ``depth`` (encoder, decoder layers) and with one more layer per stack: the
     saved bytes grow exactly linearly with layers (their difference is one layer); the peak
-    at ``depth`` less its layers is the rest."""
+    at ``depth`` less its layers is the rest (with ``loop`` "keep-output", the model's output
+    held through backward too)."""
     from tfcli.inspection.memory import estimate_activations
     from tfcli.subjects.own import OwnSubject
 
@@ -72,7 +74,7 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
 
     def run(n_enc: int, n_dec: int):
         subject = OwnSubject(share_config(cfg, t, n_enc, n_dec))
-        return estimate_activations(subject, sizes, dtype, mixed, kernel)
+        return estimate_activations(subject, sizes, dtype, mixed, kernel, loop=loop)
 
     at, how = run(*depth)
     more, _ = run(depth[0] + 1, depth[1] + 1)
@@ -85,7 +87,7 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
     per_attn = (saved(more, "attention matrices") - saved(at, "attention matrices")) // stacks
     rest = at.peak_bytes - per_layer * layers
     return Replay(per_layer, per_attn, rest, how + (f", one rank's share (h/{t}, d_ff/{t}, V/{t})"
-                                                     if t > 1 else ""))
+                                                     if t > 1 else ""), at.held_output)
 
 
 def _in_flight(par: Parallel, stage: int, m: int) -> int:
@@ -132,6 +134,8 @@ def activation_lines(cfg: Config, par: Parallel, st: StageParams, rep: Replay, b
         out.append(Line("activations: embeddings, output, loss, working set", rep.rest,
                         "the replay less its layers: embeddings, logits, loss and backward's "
                         "gradients in flight at the peak"
+                        + ("; the model's output held by the keep-output loop"
+                           if rep.held_output else "")
                         + ("; the first stage's embedding activations are counted here"
                            if par.pp > 1 else ""), "activations"))
     return out

@@ -164,7 +164,7 @@ class Plan:
 def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | None = None,
          micro_batches: int | None = None, checkpointing: str = "none", dtype: str = "fp32",
          mixed: str | None = None, optimizer_states: int = 2, convention: str = "tfcli",
-         kernel: str = "auto") -> Plan:
+         kernel: str = "auto", loop: str = "loss-only") -> Plan:
     """Per-rank memory of one training step. ``batch`` is the micro-batch per data-parallel rank
     (b), ``seq_len`` the full sequence (s; each context-parallel rank holds s/C); without them
     only model states and parameter buffers are given."""
@@ -191,7 +191,7 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
         else:  # the deepest stage, its layers shared between the stacks
             per_stack = -(-stages[0].layers // (cfg.has_encoder + cfg.has_decoder))
             depth = (per_stack, per_stack)
-        rep = replay_share(cfg, t, batch, s_local, dtype, mixed, kernel, depth)
+        rep = replay_share(cfg, t, batch, s_local, dtype, mixed, kernel, depth, loop)
 
     results = []
     for st in stages:
@@ -218,7 +218,7 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
                   "micro_batches": m, "checkpointing": checkpointing, "dtype": dtype,
                   "mixed_precision": mixed, "convention": convention, "state_bytes": sb.how,
                   "sharded_over": n, "attention_kernel": kernel,
-                  "activations": rep.how if rep else None}
+                  "activations": rep.how if rep else None, "loop": loop if rep else None}
     return Plan(par, worst, results[worst], cross, totals, conditions,
                 peaks[worst] if peaks else None)
 

@@ -15,7 +15,8 @@ FIT = ("batch", "seq-len")
 def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, checkpointing: str, dtype: str, mixed: str | None,
              optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
-             fit_what: str | None = None, reserve: str | None = None) -> dict:
+             fit_what: str | None = None, reserve: str | None = None,
+             loop: str = "loss-only") -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
     capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
     largest batch or length that fits there and the plan there."""
@@ -27,7 +28,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None):
         return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
-                    optimizer_states, kernel=kernel)
+                    optimizer_states, kernel=kernel, loop=loop)
 
     found = bound = None
     step = 1
@@ -157,12 +158,13 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
-                    timeline=None) -> None:
+                    timeline=None, loop: str = "loss-only") -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
     ``timeline(plan) -> dict`` draws one rank's step and says what it wrote, which is printed
-    after the plan (under "timeline" with --json)."""
+    after the plan (under "timeline" with --json). ``loop``: the training loop the activation
+    replay assumes (tfcli.inspection.memory.LOOPS)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
@@ -176,7 +178,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
         data = traced.per_rank(subject, parallel, batch, seq_len, micro_batches, sizes_at,
                                checkpointing or "none", dtype, mixed,
                                OPTIMIZER_STATES[optimizer], kernel,
-                               str(budget.usable) if budget else None, fit_what, wrap)
+                               str(budget.usable) if budget else None, fit_what, wrap, loop)
         if budget is not None:
             dev = data["device"]
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
@@ -185,7 +187,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
-                        fit_what, reserve)
+                        fit_what, reserve, loop)
         data["config"] = cfg.to_dict()
     if timeline is not None:
         data["timeline"] = timeline(data)

@@ -63,17 +63,19 @@ class TracedModel:
         return find_units(model, self.wrap).modules
 
     @functools.lru_cache(maxsize=64)
-    def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str):
+    def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str,
+               loop: str = "loss-only"):
         from tfcli.inspection.memory import estimate_activations
 
         return estimate_activations(self.subject, dict(sizes), dtype, mixed, kernel,
-                                    units=self._units_of)
+                                    units=self._units_of, loop=loop)
 
     def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
              dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
-             kernel: str = "auto") -> Plan:
+             kernel: str = "auto", loop: str = "loss-only") -> Plan:
         """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
-        the activation lines, None only model states and buffers."""
+        the activation lines, None only model states and buffers; ``loop``: the training loop
+        the replay assumes (tfcli.inspection.memory.LOOPS)."""
         refuse_model_splits(par)
         if checkpointing not in CHECKPOINTING:
             raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
@@ -88,7 +90,8 @@ class TracedModel:
         lines += self._communication_lines(n, zero, sb)
         peak, how, per_unit = None, None, 0
         if sizes is not None:
-            estimate, how = self.replay(tuple(sorted(sizes.items())), dtype, mixed, kernel)
+            estimate, how = self.replay(tuple(sorted(sizes.items())), dtype, mixed, kernel,
+                                        loop)
             act, per_unit = self._activation_lines(estimate, checkpointing)
             lines += act
             peak = self._peak(lines, per_unit, n, zero, sb)
@@ -97,7 +100,8 @@ class TracedModel:
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
                       "mixed_precision": mixed, "convention": "tfcli",
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
-                      "activations": how, "wrap_units": self.units.how,
+                      "activations": how, "loop": loop if sizes is not None else None,
+                      "wrap_units": self.units.how,
                       "model_states_from": f"the built model: {self.numel:,} parameters "
                                            f"({self.trainable:,} trainable)"}
         total = sum(line.bytes for line in lines)
@@ -177,7 +181,10 @@ class TracedModel:
                         "for backward in the replay", "activations"))
         out.append(Line(WORKING, max(estimate.peak_bytes - in_units - outside, 0),
                         "the replay's peak less every saved tensor: gradients in flight where "
-                        "backward starts (the loss's and the head's)", "activations"))
+                        "backward starts (the loss's and the head's)"
+                        + (f"; {estimate.held_output:,} B of it the model's output, held by "
+                           f"the keep-output loop" if estimate.held_output else ""),
+                        "activations"))
         return out, max(kept, default=0)
 
     def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: StateBytes):
@@ -229,7 +236,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, sizes_at,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
              kernel: str, device_memory: str | None, fit_what: str | None,
-             wrap: str | None) -> dict:
+             wrap: str | None, loop: str = "loss-only") -> dict:
     """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size."""
@@ -253,7 +260,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None) -> Plan:
         return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
-                           dtype, mixed, optimizer_states, kernel)
+                           dtype, mixed, optimizer_states, kernel, loop)
 
     found = bound = None
     step = 1
