@@ -117,6 +117,18 @@ def test_tensor_and_sequence_parallel_shrink_per_layer_activations():
         p_ratio := tp.cross_check[1].bytes / base.cross_check[1].bytes, rel=0.25), p_ratio
 
 
+def test_a_keep_output_loop_keeps_the_logits_on_the_last_stage():
+    """--loop keep-output: the last stage holds its logits through backward, B·s·V/t × 4 B
+    (cross-entropy saves its log-softmax, not the logits); the layers are unchanged."""
+    cfg = get_preset("tiny")
+    freed, kept = (plan(cfg, Parallel(tp=1), 2, 16, loop=loop)
+                   for loop in ("loss-only", "keep-output"))
+    rest = "activations: embeddings, output, loss, working set"
+    assert _act(kept, rest) - _act(freed, rest) == 2 * 16 * cfg.tgt_vocab_size * 4
+    assert _act(kept) == _act(freed) and kept.conditions["loop"] == "keep-output"
+    assert kept.peak.bytes > freed.peak.bytes
+
+
 def test_pipeline_first_stage_keeps_p_micro_batches_in_flight():
     cfg = get_preset("gpt2-small")
     p = plan(cfg, Parallel(pp=4), 1, 256, micro_batches=8)
