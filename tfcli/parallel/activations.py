@@ -18,21 +18,38 @@ from tfcli.parallel.layout import Line, Parallel, StageParams
 from tfcli.model.config import Config
 
 
+def row_kernel(cfg: Config, kernel: str) -> str:
+    """The attention kernel Table 2's row follows: "math" where the s×s scores are kept
+    (tfcli's naive attention, --attention-kernel math, or auto on the CPU with dropout, where
+    SDPA falls back to math), else the fused kernel (auto on the CPU without dropout: flash)."""
+    if cfg.attention == "naive" or kernel == "math" or (kernel == "auto" and cfg.dropout > 0):
+        return "math"
+    return "flash" if kernel == "auto" else kernel
+
+
 def korthikanti_layer(s: int, b: int, h: int, a: int, t: int, sp: bool,
-                      checkpointing: str) -> tuple[float, str]:
+                      checkpointing: str, kernel: str = "math") -> tuple[float, str]:
     """Bytes one GPT-style layer keeps for backward at 16 bits (Korthikanti et al. 2022,
-    Table 2), and the row used."""
+    Table 2), and the row used. With a fused ``kernel`` (flash, efficient) no s×s tensor is
+    kept (scores, softmax, dropout mask): the 5as/h term goes, as in the paper's selective
+    recomputation row."""
     if checkpointing == "full":
         return (2 * s * b * h / (t if sp else 1),
                 "2sbh" + ("/t" if sp and t > 1 else "") + " (full recomputation: the layer input)")
-    attn = 0.0 if checkpointing == "selective" else 5 * a * s / (h * t)
+    fused = kernel != "math"
+    attn = 0.0 if checkpointing == "selective" or fused else 5 * a * s / (h * t)
     if t == 1:
         linear, row = 34.0, "sbh(34 + 5as/h)"
     elif sp:
         linear, row = 34.0 / t, "sbh(34/t + 5as/(ht))"
     else:
         linear, row = 10 + 24.0 / t, "sbh(10 + 24/t + 5as/(ht))"
-    if checkpointing == "selective":
+    if fused:
+        row = (row.split(" + 5as")[0] + ")" + f" ({kernel} kernel: no s×s scores, softmax or "
+               f"dropout mask kept, as the paper's selective-recomputation row"
+               + ("; selective recomputation changes nothing more" if checkpointing == "selective"
+                  else "") + ")")
+    elif checkpointing == "selective":
         row = row.split(" + 5as")[0] + ")" + " (selective: attention core recomputed)"
     return s * b * h * (linear + attn), row
 
@@ -142,16 +159,24 @@ def activation_lines(cfg: Config, par: Parallel, st: StageParams, rep: Replay, b
 
 
 def cross_check(cfg: Config, par: Parallel, st: StageParams, rep: Replay, batch: int,
-                 s_local: int, m: int, checkpointing: str, e: int) -> list[Line]:
+                 s_local: int, m: int, checkpointing: str, e: int, kernel: str = "auto",
+                 precision: str = "") -> list[Line]:
+    """The replay's layer beside Table 2's row for the same kernel; each label says its
+    precision and kernel (``precision``: the replay's, in words)."""
+    attention = row_kernel(cfg, kernel)
     per, row = korthikanti_layer(s_local, batch, cfg.d_model, cfg.n_heads, par.tp,
-                                 par.sp, checkpointing)
+                                 par.sp, checkpointing, attention)
     kept, _ = kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
     flight = _in_flight(par, st.stage, m)
+    paper = f"Korthikanti et al. 2022 (16-bit, {attention} kernel)"
     return [
-        Line("per layer: replay", kept, f"fake-tensor replay, {e} B activations", "activations"),
-        Line("per layer: Korthikanti et al. 2022", int(per),
+        Line(f"per layer: replay ({precision or f'{e} B'}, {attention} kernel)", kept,
+             f"fake-tensor replay under {precision or f'{e} B activations'}: each tensor in "
+             f"the dtype that run gives it", "activations"),
+        Line(f"per layer: {paper}", int(per),
              f"Table 2, {row}, s={s_local}, b={batch}, h={cfg.d_model}, a={cfg.n_heads}, "
-             f"t={par.tp}; 16-bit tensors, GPT layer with dropout and a 4h MLP", "activations"),
-        Line("stage layers: Korthikanti et al. 2022", int(per * st.layers * flight),
+             f"t={par.tp}; every tensor 16-bit (2 B; 1 B dropout masks), GPT layer with "
+             f"dropout and a 4h MLP", "activations"),
+        Line(f"stage layers: {paper}", int(per * st.layers * flight),
              f"{st.layers} layers × {flight} in flight × the row above", "activations"),
     ]

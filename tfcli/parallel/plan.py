@@ -213,7 +213,8 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     worst = max(range(len(need)), key=need.__getitem__)
     cross = []
     if rep is not None:
-        cross = cross_check(cfg, par, stages[worst], rep, batch, s_local, m, checkpointing, e)
+        cross = cross_check(cfg, par, stages[worst], rep, batch, s_local, m, checkpointing, e,
+                            kernel, f"autocast {mixed}" if mixed else dtype)
     conditions = {"micro_batch": batch, "seq_len": seq_len, "seq_len_per_rank": s_local or None,
                   "micro_batches": m, "checkpointing": checkpointing, "dtype": dtype,
                   "mixed_precision": mixed, "convention": convention, "state_bytes": sb.how,
