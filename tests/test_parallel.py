@@ -105,6 +105,23 @@ def test_replay_per_layer_is_near_table_2_at_16_bits():
     assert 0.9 * formula < replay < 1.4 * formula
 
 
+@pytest.mark.parametrize("kernel,dropout,row", [("flash", 0.1, "flash"), ("efficient", 0.0, "efficient"),
+                                                ("math", 0.0, "math"), ("auto", 0.1, "math"),
+                                                ("auto", 0.0, "flash")])
+def test_the_table_2_row_follows_the_attention_kernel(kernel, dropout, row):
+    """Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h) keeps the s×s scores, softmax and
+    dropout mask of the math kernel; a fused kernel keeps none, which is the paper's 34·sbh
+    (their selective-recomputation row). auto is the CPU's choice: math with dropout, else
+    flash. Each label says 16-bit and the kernel."""
+    cfg = get_preset("tiny").replace(dropout=dropout)
+    s, b, h, a = 16, 2, cfg.d_model, cfg.n_heads
+    p = plan(cfg, Parallel(), b, s, kernel=kernel)
+    replay, paper, stage = p.cross_check
+    assert paper.name == f"per layer: Korthikanti et al. 2022 (16-bit, {row} kernel)"
+    assert stage.name.endswith(f"(16-bit, {row} kernel)") and f"{row} kernel)" in replay.name
+    assert paper.bytes == (s * b * h * 34 if row != "math" else int(s * b * h * (34 + 5 * a * s / h)))
+
+
 def test_tensor_and_sequence_parallel_shrink_per_layer_activations():
     cfg = get_preset("gpt2-small")
     base = plan(cfg, Parallel(), 2, 256)
@@ -561,11 +578,11 @@ def test_params_parallel_json_lines_and_headroom(cli):
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["world_size"] == 4 and data["parallel"]["zero"] == 3
-    names = [line["name"] for line in data["lines"]]
+    names = [line["name"] for line in data["memory"]]
     assert names[:3] == ["weights", "gradients", "optimizer state"]
     assert {"all-gather buffer", "activations: recomputed layer"} <= set(names)
-    assert all(line["how"] for line in data["lines"])
-    total = sum(line["bytes"] for line in data["lines"])
+    assert all(line["how"] for line in data["memory"])
+    total = sum(line["bytes"] for line in data["memory"])
     assert data["total_bytes"] == total
     peak = data["peak"]
     assert peak["bytes"] == max(peak["moments"].values()) < total
@@ -574,7 +591,20 @@ def test_params_parallel_json_lines_and_headroom(cli):
     # 24 GB as written (SI), less the default reserve of 2 GiB
     assert data["device"]["reserve_bytes"] == 2 * 2**30
     assert data["device"]["headroom_bytes"] == 24 * 10**9 - 2 * 2**30 - peak["bytes"]
-    assert data["cross_check"][1]["name"] == "per layer: Korthikanti et al. 2022"
+    # gpt2-small has dropout: the CPU falls back to the math kernel, whose row keeps 5as/h
+    assert data["cross_check"][1]["name"] == \
+        "per layer: Korthikanti et al. 2022 (16-bit, math kernel)"
+
+
+def test_params_and_its_per_rank_plan_share_one_json_schema(cli):
+    """Both say ``memory`` for their lines, each line with the same keys."""
+    args = ["params", "-p", "tiny", "--seq-len", "16", "--batch-size", "2", "--json"]
+    one, ranked = (json.loads(cli(*args, *more).stdout) for more in ([], ["--parallel", "dp=2"]))
+    assert "lines" not in ranked and "lines" not in one
+    keys = {frozenset(line) for data in (one, ranked) for line in data["memory"]}
+    assert keys == {frozenset({"name", "bytes", "how", "kind", "summary"})}
+    kinds = lambda data: {line["name"]: line["kind"] for line in data["memory"]}  # noqa: E731
+    assert kinds(one)["gradients"] == kinds(ranked)["gradients"] == "model states"
 
 
 def test_params_parallel_table(cli):
@@ -670,7 +700,7 @@ def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(cli):
 
 def test_pipeline_buffers_need_a_length(cli):
     result = cli("params", "-p", "tiny", "--parallel", "pp=2", "--json")
-    assert "pipeline send/recv" not in {line["name"] for line in json.loads(result.stdout)["lines"]}
+    assert "pipeline send/recv" not in {line["name"] for line in json.loads(result.stdout)["memory"]}
 
 
 def test_params_parallel_refuses_a_model_it_cannot_split_with_tp(cli, tmp_path):
@@ -848,9 +878,9 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
     args = ["params", *traced_fsdp["files"]["llama"], "--parallel", "dp=4,zero=3",
             "--seq-len", "32", "--json"]
     none, full = (json.loads(cli(*args, "--checkpointing", c).stdout) for c in ("none", "full"))
-    by = {line["name"]: line["bytes"] for line in none["lines"]}
+    by = {line["name"]: line["bytes"] for line in none["memory"]}
     assert none["world_size"] == 4 and by["weights"] < by["unsharded parameters"] * 4
-    kept = {line["name"]: line["bytes"] for line in full["lines"]}
+    kept = {line["name"]: line["bytes"] for line in full["memory"]}
     assert kept["activations: layers"] < by["activations: layers"] / 4
     assert "activations: recomputed layer" in kept
     fitted = cli(*args, "--device-memory", "8MB", "--fit", "batch")
@@ -892,7 +922,7 @@ def test_wrap_chooses_another_class(cli, tmp_path):
     linear = json.loads(cli(*args, "--wrap", "Linear").stdout)
     assert "blocks: 3 × Block" in blocks["conditions"]["wrap_units"]
     assert "--wrap Linear: 9 module(s)" in linear["conditions"]["wrap_units"]
-    unit = lambda d: next(l["bytes"] for l in d["lines"] if l["name"] == "all-gather buffer")
+    unit = lambda d: next(l["bytes"] for l in d["memory"] if l["name"] == "all-gather buffer")
     assert unit(linear) < unit(blocks)  # a Linear is smaller than a block
 
 

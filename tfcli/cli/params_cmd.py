@@ -464,8 +464,7 @@ def params(
         data["buffers"] = [dict(b) for b in data["buffers"]]
         data.update(buffer_elements=report.buffer_numel,
                     bytes={m.name: m.bytes for m in memory},
-                    memory=[{"name": m.name, "bytes": m.bytes, "how": m.how,
-                             "summary": m.summary} for m in memory],
+                    memory=[m.record() for m in memory],
                     activations_method=how or None,
                     dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
                     optimizer_impl=impl if activations is not None else None,

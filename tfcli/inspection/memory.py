@@ -512,6 +512,22 @@ class MemoryLine:
     how: str
     summary: bool = False  # a figure over the components (a peak), not one more component
 
+    @property
+    def kind(self) -> str:
+        """Its group, as the per-rank plan's lines (tfcli.parallel.layout.Line) name theirs."""
+        if self.name in ("weights", "buffers", "gradients", "optimizer state"):
+            return "model states"
+        if self.name.startswith("activations"):
+            return "activations"
+        if self.name == "KV cache":
+            return "KV cache"
+        return "peak" if self.summary else "working memory"
+
+    def record(self) -> dict:
+        """The line in --json: the same keys as a per-rank plan's memory lines."""
+        return {"name": self.name, "bytes": self.bytes, "how": self.how, "kind": self.kind,
+                "summary": self.summary}
+
 
 def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,
                     mixed: str | None,

@@ -20,6 +20,12 @@ class Line:
     how: str
     kind: str = "model states"  # model states | activations | communication
 
+    def record(self) -> dict:
+        """The line in --json: the keys of ``tfcli params``'s memory lines
+        (tfcli.inspection.memory.MemoryLine.record); none of these is a summary."""
+        return {"name": self.name, "bytes": self.bytes, "how": self.how, "kind": self.kind,
+                "summary": False}
+
 
 @dataclass(frozen=True)
 class Parallel:

@@ -156,8 +156,8 @@ class Plan:
                 "stage": self.stage, "total_bytes": self.total,
                 "peak": None if self.peak is None else self.peak.__dict__,
                 "stage_totals": self.stage_totals,
-                "lines": [line.__dict__ for line in self.lines],
-                "cross_check": [line.__dict__ for line in self.cross_check],
+                "memory": [line.record() for line in self.lines],
+                "cross_check": [line.record() for line in self.cross_check],
                 "conditions": self.conditions}
 
 

@@ -98,7 +98,7 @@ def render(data: dict, console) -> None:
     table = Table(title=title, title_justify="left")
     for name, justify in (("", "left"), ("bytes", "right"), ("how", "left")):
         table.add_column(name, justify=justify, overflow="fold")
-    for line in data["lines"]:
+    for line in data["memory"]:
         table.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
     table.add_row("sum", human_bytes(data["total_bytes"]),
                   "the sum of the lines above: everything alive at once, an upper bound")
