@@ -361,6 +361,8 @@ def test_the_loop_is_said_and_chosen(cli):
     (["--loop", "keep-output", "--seq-len", "8", "--inference"],
      "--loop applies to training memory"),
     (["--loop", "logits", "--seq-len", "8"], "'logits' is not one of"),
+    (["--loop", "keep-output", "--seq-len", "8", "--parallel", "dp=2,zero=3", "--timeline",
+      "rank.json"], "with a loss-only loop; drop --loop keep-output"),
 ])
 def test_loop_bad_input(cli, args, words):
     result = cli("params", "--preset", "tiny", *args)
