@@ -105,9 +105,9 @@ def test_replay_per_layer_is_near_table_2_at_16_bits():
     assert 0.9 * formula < replay < 1.4 * formula
 
 
-@pytest.mark.parametrize("kernel,dropout,row", [("flash", 0.1, "flash"), ("efficient", 0.0, "efficient"),
-                                                ("math", 0.0, "math"), ("auto", 0.1, "math"),
-                                                ("auto", 0.0, "flash")])
+@pytest.mark.parametrize("kernel,dropout,row", [
+    ("flash", 0.1, "flash"), ("efficient", 0.0, "efficient"), ("math", 0.0, "math"),
+    ("auto", 0.1, "math"), ("auto", 0.0, "flash")])
 def test_the_table_2_row_follows_the_attention_kernel(kernel, dropout, row):
     """Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h) keeps the s×s scores, softmax and
     dropout mask of the math kernel; a fused kernel keeps none, which is the paper's 34·sbh
@@ -119,7 +119,8 @@ def test_the_table_2_row_follows_the_attention_kernel(kernel, dropout, row):
     replay, paper, stage = p.cross_check
     assert paper.name == f"per layer: Korthikanti et al. 2022 (16-bit, {row} kernel)"
     assert stage.name.endswith(f"(16-bit, {row} kernel)") and f"{row} kernel)" in replay.name
-    assert paper.bytes == (s * b * h * 34 if row != "math" else int(s * b * h * (34 + 5 * a * s / h)))
+    table_2 = s * b * h * 34 if row != "math" else int(s * b * h * (34 + 5 * a * s / h))
+    assert paper.bytes == table_2
 
 
 def test_tensor_and_sequence_parallel_shrink_per_layer_activations():
@@ -700,7 +701,8 @@ def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(cli):
 
 def test_pipeline_buffers_need_a_length(cli):
     result = cli("params", "-p", "tiny", "--parallel", "pp=2", "--json")
-    assert "pipeline send/recv" not in {line["name"] for line in json.loads(result.stdout)["memory"]}
+    lines = json.loads(result.stdout)["memory"]
+    assert "pipeline send/recv" not in {line["name"] for line in lines}
 
 
 def test_params_parallel_refuses_a_model_it_cannot_split_with_tp(cli, tmp_path):
