@@ -874,6 +874,24 @@ def test_traced_units_are_the_largest_module_lists_blocks(traced_models):
     assert sum(g.numel for g in user.groups) + user.root.numel == traced_models["user"].numel
 
 
+def test_a_keep_output_loop_in_the_traced_plan_of_an_hf_model(cli):
+    """--loop keep-output for an hf: model's per-rank plan: under bf16 autocast the loss saves
+    an fp32 copy of the logits, so the held bf16 logits (B·L·V·2 B) add to the working set."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "llama-tiny"
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    args = ["params", "--model", f"hf:{folder}", "--parallel", "dp=2", "--seq-len", "16",
+            "--batch-size", "2", "--mixed-precision", "bf16", "--json"]
+    freed, kept = (json.loads(cli(*args, "--loop", loop).stdout)
+                   for loop in ("loss-only", "keep-output"))
+    working = lambda d: next(l["bytes"] for l in d["memory"]  # noqa: E731,E741
+                             if l["name"] == "activations: backward working set")
+    assert working(kept) - working(freed) == 2 * 16 * vocab * 2
+    assert kept["conditions"]["loop"] == "keep-output" and kept["peak"]["bytes"] > \
+        freed["peak"]["bytes"]
+
+
 def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
     """The command line: the traced plan, --checkpointing, --device-memory and --fit batch
     for an hf: model (the tracker's agreement is checked above)."""
