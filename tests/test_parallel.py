@@ -56,7 +56,7 @@ def test_llama2_7b_zero_states_equal_the_formulas(zero, formula):
                                           (3, 16 / 8)])
 def test_zero_paper_convention_moves_the_master_copy_into_optimizer_state(zero, formula):
     """Rajbhandari et al.: 2Ψ + 2Ψ + KΨ with K = 12; ZeRO-1 is (4 + K/N)Ψ, ZeRO-2 (2 + 14/N)Ψ."""
-    p = plan(get_preset("llama-2-7b"), Parallel(dp=8, zero=zero), convention="zero-paper")
+    p = plan(get_preset("llama-2-7b"), Parallel(dp=8, zero=zero), precision="zero-paper")
     assert _states(p) == pytest.approx(formula * LLAMA2_7B, rel=0.01)
 
 

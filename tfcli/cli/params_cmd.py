@@ -44,6 +44,14 @@ class Mixed(str, Enum):
     fp16 = "fp16"
 
 
+class Precision(str, Enum):
+    autocast = "autocast"
+    fsdp_mixed = "fsdp-mixed"
+    zero_paper = "zero-paper"
+    deepspeed = "deepspeed"
+    megatron = "megatron"
+
+
 class BuildDevice(str, Enum):
     meta = "meta"
     cpu = "cpu"
@@ -82,7 +90,10 @@ def _per_rank(v) -> str | None:
     --device-memory and --fit ask whether serving fits one device)."""
     serving = () if v.inference else (("--device-memory", v.device_memory), ("--fit", v.fit_))
     return next((o for o, value in (("--parallel", v.parallel), ("--checkpointing", v.checkpointing),
-                                    ("--micro-batches", v.micro_batches), *serving)
+                                    ("--micro-batches", v.micro_batches), *serving,
+                                    ("--precision", v.precision if v.precision not in
+                                     (None, Precision.autocast) else None),
+                                    ("--param-count", v.param_count))
                  if value is not None), None)
 
 
@@ -199,6 +210,19 @@ RULES = Rules(
                "is not modelled with {v.per_rank}: the per-rank plan has no optimizer-step "
                "moment yet; drop {option}, or drop {v.per_rank}")),
     Rule("mixed_precision", TRAINING),
+    Rule("precision", TRAINING, Needs(
+        lambda v: v.precision in (None, Precision.autocast) or v.dtype is DType.fp32,
+        "only with --dtype fp32 (but autocast)",
+        "{option} {value} keeps fp32 master weights and takes its 16-bit dtype from "
+        "--mixed-precision (default bf16); --dtype {v.dtype.value} is autocast's: drop it")),
+    Rule("param_count", Needs(
+        lambda v: not any((v.preset, v.config, v.set_, v.model_ref)), "not with a model",
+        "{option} states the model's size instead of a model: drop --preset/--config/--set/"
+        "--model, or drop {option}"), Needs(
+        lambda v: v.seq_len is None and v.fit_ is None and v.checkpointing is None
+        and v.micro_batches is None and v.model_split is None, "model states only",
+        "{option} sizes model states only (no layout, no activations): drop --seq-len, --fit, "
+        "--checkpointing, --micro-batches and tp/pp/cp, or give a model instead")),
     Rule("keep_grads", TRAINING),
     Rule(("parallel", "checkpointing", "micro_batches"), Needs(
         lambda v: not v.inference, "not with --inference",
@@ -319,10 +343,33 @@ def params(
         help="Draw the replayed training step's memory over time, by category, with its "
              "phases and what is alive at the peak: FILE.png (the 'plot' extra), .html "
              "(self-contained) or .json (torch.cuda.memory._snapshot() format).")] = None,
+    precision: Annotated[Optional[Precision], typer.Option(
+        show_default=False,
+        help="How weights, gradients, master weights and optimizer moments are kept, and the "
+             "dtype the model runs in (default autocast): autocast = torch.autocast (fp32 "
+             "weights, grads, moments: 16 B/param with Adam; fp32 residual stream); fsdp-mixed "
+             "= FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), zero=3 only; "
+             "zero-paper = Rajbhandari et al. 2020 (2 + 2 + 12 B); deepspeed = DeepSpeed ZeRO "
+             "as its estimators count it (+ an fp32 gradient partition); megatron = bf16 "
+             "weights, fp32 main grads (18 B). Not autocast: the per-rank plan (dp=1 without "
+             "--parallel); the 16-bit dtype is --mixed-precision's (default bf16).")] = None,
+    param_count: Annotated[Optional[str], typer.Option(
+        metavar="N", show_default=False,
+        help="No model: the per-rank model states of N parameters (e.g. 7.5e9), as "
+             "--precision keeps them, at every ZeRO stage.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
     v = RULES.apply(locals())
+    prec = (precision or Precision.autocast).value
+    if param_count is not None:
+        from tfcli.parallel.report import params_parallel, parse_param_count
+
+        return params_parallel(None, parallel, batch_size, None, None, None, dtype.value,
+                               None if mixed_precision is Mixed.none else mixed_precision.value,
+                               optimizer.value, "auto", device_memory, None, inference,
+                               json_out, reserve=reserve, precision=prec,
+                               param_count=parse_param_count(param_count))
     timeline_file = _check_timeline(timeline)  # absolute: the model may change directory
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
@@ -375,7 +422,7 @@ def params(
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
                                lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
-                               loop.value)
+                               loop.value, prec)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

@@ -19,6 +19,7 @@ class Line:
     bytes: int
     how: str
     kind: str = "model states"  # model states | activations | communication
+    precision: str | None = None  # the precision policy a model-state line follows
 
     def record(self) -> dict:
         """The line in --json: the keys of ``tfcli params``'s memory lines

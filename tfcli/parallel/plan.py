@@ -9,13 +9,11 @@ Conventions (printed beside every figure):
   norms, positions and row-parallel biases are replicated. Pipeline parallelism gives each stage
   a contiguous run of layers; the first stage holds the embeddings, the last the final norms and
   the output projection (with tied embeddings, a copy of them, as Megatron-LM keeps).
-- Model states, ``tfcli`` convention: weights and gradients in the training dtype (fp32, also
-  under autocast) plus k optimizer states (Adam: 2) — 16 B per parameter. N data-parallel ranks
-  shard them: ZeRO-0 (DDP) 16Ψ; ZeRO-1 8Ψ + 8Ψ/N; ZeRO-2 4Ψ + 12Ψ/N; ZeRO-3 / FSDP 16Ψ/N.
-  The ``zero-paper`` convention is Rajbhandari et al. 2020's mixed precision: 16-bit weights and
-  gradients (2 + 2 B) and K = 12 B of optimizer state (fp32 master weights, momentum,
-  variance): the same 16 B in total, but the fp32 master copy moves from "weights" to
-  "optimizer state", so ZeRO-1 is 4Ψ + 12Ψ/N and ZeRO-2 2Ψ + 14Ψ/N.
+- Model states follow one precision policy (:mod:`tfcli.parallel.precision`: autocast,
+  fsdp-mixed, zero-paper, deepspeed, megatron), named on every line it shapes; N data-parallel
+  ranks shard them. Autocast (the default): 16 B per parameter, ZeRO-0 (DDP) 16Ψ; ZeRO-1
+  8Ψ + 8Ψ/N; ZeRO-2 4Ψ + 12Ψ/N; ZeRO-3 / FSDP 16Ψ/N. Rajbhandari et al. 2020's accounting
+  (zero-paper): (2 + 2 + K)Ψ, K = 12: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N.
 - Activations: a fake-tensor replay (:func:`tfcli.inspection.memory.estimate_activations`) of
   one rank's share — heads, FFN width and vocabulary divided by t, length divided by C — at one
   and at two layers per stack; the difference is one layer, the rest is embeddings, output, loss
@@ -23,11 +21,13 @@ Conventions (printed beside every figure):
   bits) as the cross-check. Pipeline stage i keeps min(P - i, m) micro-batches in flight (1F1B).
 
 The layout is :mod:`tfcli.parallel.layout`, the activations :mod:`tfcli.parallel.activations`,
-"does it fit?" :mod:`tfcli.parallel.fit`. Nothing here imports torch except the replay.
+"does it fit?" :mod:`tfcli.parallel.fit`. Nothing here imports torch except the replay and
+:func:`largest_module`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -35,48 +35,35 @@ from tfcli.parallel.activations import (activation_lines, cross_check, kept_per_
                                     replay_share)
 from tfcli.parallel.layout import (Line, Parallel, StageParams, parse_parallel,  # noqa: F401
                                stage_params)
+from tfcli.parallel.precision import (DTYPE_BYTES, Policy, check_stage, policy,  # noqa: F401
+                                      state_parts, stage_totals)
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 CHECKPOINTING = ("none", "selective", "full")
-CONVENTIONS = ("tfcli", "zero-paper")
 
 # --- model states under ZeRO ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of weights, gradients and optimizer state, and where they come from."""
-    weights: int
-    grads: int
-    optimizer: int
-    how: str
+def model_state_lines(psi: int, n: int, zero: int, pol: Policy) -> list[Line]:
+    """Weights, gradients, (fp32 gradients, master weights,) optimizer state of Ψ parameters on
+    one of N sharding ranks, as precision policy ``pol`` keeps them; each line names it."""
+    def share(part) -> Line:
+        per = part.per_param
+        if zero >= part.sharded_from and n > 1:
+            return Line(part.name, math.ceil(psi * per / n),
+                        f"{pol.tag()} {part.what}: {per}Ψ/N = {per} B × {psi:,} / {n} "
+                        f"(ZeRO-{zero})", precision=pol.name)
+        return Line(part.name, psi * per, f"{pol.tag()} {part.what}: {per}Ψ = {per} B × "
+                    f"{psi:,}" + (" (replicated)" if n > 1 else ""), precision=pol.name)
+
+    return [share(part) for part in state_parts(pol, zero)]
 
 
-def state_bytes(dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
-                convention: str = "tfcli") -> StateBytes:
-    if convention == "zero-paper":
-        return StateBytes(2, 2, 4 + 4 * optimizer_states,
-                          "Rajbhandari et al. 2020: 16-bit weights and gradients, fp32 master "
-                          f"weights + {optimizer_states} fp32 optimizer states")
-    wb = 4 if mixed else DTYPE_BYTES[dtype]
-    name = f"fp32 (autocast {mixed} keeps fp32 weights)" if mixed else dtype
-    return StateBytes(wb, wb, optimizer_states * wb,
-                      f"{name} weights and gradients, {optimizer_states} optimizer states")
-
-def model_state_lines(psi: int, n: int, zero: int, sb: StateBytes) -> list[Line]:
-    """Weights, gradients and optimizer state of Ψ parameters on one of N sharding ranks."""
-    def share(per_param: int, sharded: bool, what: str) -> Line:
-        if sharded and n > 1:
-            return Line(what, math.ceil(psi * per_param / n),
-                        f"{per_param}Ψ/N = {per_param} B × {psi:,} / {n} (ZeRO-{zero})")
-        return Line(what, psi * per_param, f"{per_param}Ψ = {per_param} B × {psi:,}"
-                    + (" (replicated)" if n > 1 else ""))
-
-    return [share(sb.weights, zero >= 3, "weights"),
-            share(sb.grads, zero >= 2, "gradients"),
-            share(sb.optimizer, zero >= 1, "optimizer state")]
+def stage_states(psi: int, n: int, pol: Policy) -> list[dict]:
+    """Model states per rank at every ZeRO stage (the comparison Rajbhandari et al.'s Figure 1
+    draws), for the plan's record."""
+    return [{"zero": zero, "bytes": b} for zero, b in stage_totals(psi, n, pol).items()]
 
 # --- when the peak happens ------------------------------------------------------------------
 #
@@ -163,25 +150,25 @@ class Plan:
 
 def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | None = None,
          micro_batches: int | None = None, checkpointing: str = "none", dtype: str = "fp32",
-         mixed: str | None = None, optimizer_states: int = 2, convention: str = "tfcli",
+         mixed: str | None = None, optimizer_states: int = 2, precision: str = "autocast",
          kernel: str = "auto", loop: str = "loss-only") -> Plan:
     """Per-rank memory of one training step. ``batch`` is the micro-batch per data-parallel rank
     (b), ``seq_len`` the full sequence (s; each context-parallel rank holds s/C); without them
-    only model states and parameter buffers are given."""
+    only model states and parameter buffers are given. ``precision`` names the policy
+    (tfcli.parallel.precision) every line follows."""
     if checkpointing not in CHECKPOINTING:
         raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: {', '.join(CHECKPOINTING)}")
-    if convention not in CONVENTIONS:
-        raise TfcliError(f"convention {convention!r}: allowed: {', '.join(CONVENTIONS)}")
+    pol = policy(precision, dtype, mixed, optimizer_states)
+    check_stage(pol, par.zero)
     m = micro_batches if micro_batches is not None else par.pp
     if m < 1:
         raise TfcliError(f"--micro-batches {m}: must be a positive integer")
     stages = stage_params(cfg, par)
-    sb = state_bytes(dtype, mixed, optimizer_states, convention)
     n = par.shard
     s_local = -(-seq_len // par.cp) if seq_len else 0
     if seq_len and seq_len % par.cp:
         raise TfcliError(f"--seq-len {seq_len} is not divisible by cp={par.cp}")
-    e = 2 if mixed else DTYPE_BYTES[dtype]  # bytes per activation element
+    e = pol.residual  # bytes per element of the residual stream: layer inputs, stage sends
     t = par.tp
 
     rep = None
@@ -191,13 +178,15 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
         else:  # the deepest stage, its layers shared between the stacks
             per_stack = -(-stages[0].layers // (cfg.has_encoder + cfg.has_decoder))
             depth = (per_stack, per_stack)
-        rep = replay_share(cfg, t, batch, s_local, dtype, mixed, kernel, depth, loop)
+        rep = replay_share(cfg, t, batch, s_local, pol.run_dtype, pol.autocast, kernel, depth,
+                           loop)
 
+    module = largest_module(cfg, t) if pol.name == "deepspeed" and par.zero == 3 else 0
     results = []
     for st in stages:
-        lines = model_state_lines(st.total, n, par.zero, sb)
+        lines = model_state_lines(st.total, n, par.zero, pol)
         lines[0].how = f"Ψ = {st.total:,} on this rank ({_split_text(par, st)}); " + lines[0].how
-        lines += _buffer_lines(cfg, par, st, sb, batch, s_local, e)
+        lines += _buffer_lines(cfg, par, st, pol, batch, s_local, e, module)
         if rep is not None:
             lines += activation_lines(cfg, par, st, rep, batch, s_local, m, checkpointing, e)
         results.append(lines)
@@ -205,10 +194,12 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     peaks = None
     if rep is not None:
         kept, _ = kept_per_layer(cfg, par, rep, batch, s_local, checkpointing, e)
-        peaks = [step_peak(lines, kept, par.pp > 1,
-                           st.largest_layer * sb.grads if par.zero == 3 else 0,
-                           math.ceil(st.largest_layer * sb.grads / n) if par.zero == 3 else 0)
-                 for lines, st in zip(results, stages)]
+        peaks = []
+        for lines, st in zip(results, stages):
+            unit = module or st.largest_layer
+            peaks.append(step_peak(lines, kept, par.pp > 1,
+                                   unit * pol.unit_grads if par.zero == 3 else 0,
+                                   math.ceil(unit * pol.grads / n) if par.zero == 3 else 0))
     need = [p.bytes for p in peaks] if peaks else totals
     worst = max(range(len(need)), key=need.__getitem__)
     cross = []
@@ -217,11 +208,25 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
                             kernel, f"autocast {mixed}" if mixed else dtype)
     conditions = {"micro_batch": batch, "seq_len": seq_len, "seq_len_per_rank": s_local or None,
                   "micro_batches": m, "checkpointing": checkpointing, "dtype": dtype,
-                  "mixed_precision": mixed, "convention": convention, "state_bytes": sb.how,
+                  "mixed_precision": mixed, "precision": pol.name, "state_bytes": pol.how,
                   "sharded_over": n, "attention_kernel": kernel,
-                  "activations": rep.how if rep else None, "loop": loop if rep else None}
+                  "activations": rep.how if rep else None, "loop": loop if rep else None,
+                  "model_states_by_zero": stage_states(stages[worst].total, n, pol)}
     return Plan(par, worst, results[worst], cross, totals, conditions,
                 peaks[worst] if peaks else None)
+
+
+@functools.lru_cache(maxsize=16)
+def largest_module(cfg: Config, t: int = 1) -> int:
+    """The most parameters one module holds itself (not its children's) in one tensor-parallel
+    rank's share: the unit DeepSpeed's ZeRO-3 gathers (each module's own parameters, as it
+    runs), and the "largest layer" of its estimate_zero3_model_states_mem_needs. Built on
+    meta."""
+    from tfcli.parallel.activations import share_config
+    from tfcli.subjects.own import OwnSubject
+
+    model = OwnSubject(share_config(cfg, t, 1, 1)).build("meta")
+    return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
 
 
 def _split_text(par: Parallel, st: StageParams) -> str:
@@ -235,32 +240,50 @@ def _split_text(par: Parallel, st: StageParams) -> str:
     return "; ".join(parts) or "the whole model"
 
 
-def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, sb: StateBytes,
-                  batch: int | None, s_local: int, e: int) -> list[Line]:
-    """Communication buffers whose size is known from the layout."""
+def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, pol: Policy,
+                  batch: int | None, s_local: int, e: int, module: int = 0) -> list[Line]:
+    """Communication buffers whose size is known from the layout; ``module``: the largest
+    module, DeepSpeed ZeRO-3's unit (0: FSDP's layer units)."""
     n, out = par.shard, []
+    tag, g = pol.tag(), pol.gathered
+    if par.zero == 3 and module:
+        return [Line("unsharded parameters", module * g,
+                     f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it runs: "
+                     f"the largest module ({module:,}) × {g} B; prefetch "
+                     f"(stage3_prefetch_bucket_size) not counted, as DeepSpeed's estimate",
+                     "communication", pol.name),
+                Line("reduce-scatter buffer", module * pol.reduced,
+                     f"{tag} the largest module's unsharded gradients: {module:,} × "
+                     f"{pol.reduced} B", "communication", pol.name)]
     if par.zero == 3:
         unit = st.largest_layer
         out.append(
-            Line("unsharded parameters", (st.root + unit) * sb.weights,
-                 f"FSDP2: the root unit ({st.root:,}, kept gathered from forward to backward) + "
-                 f"the largest layer unit ({unit:,}) × {sb.weights} B", "communication"))
+            Line("unsharded parameters", (st.root + unit) * g,
+                 f"{tag} FSDP2: the root unit ({st.root:,}, kept gathered from forward to "
+                 f"backward) + the largest layer unit ({unit:,}) × {g} B", "communication",
+                 pol.name))
     if par.zero == 3 and n > 1:
         out += [
-            Line("all-gather buffer", unit * sb.weights,
-                 f"the next layer unit gathered ahead (prefetch): {unit:,} × {sb.weights} B",
-                 "communication"),
-            Line("reduce-scatter buffer", unit * sb.grads,
-                 f"one layer unit's unsharded gradients: {unit:,} × {sb.grads} B",
-                 "communication"),
+            Line("all-gather buffer", unit * g,
+                 f"{tag} the next layer unit gathered ahead (prefetch): {unit:,} × {g} B",
+                 "communication", pol.name),
+            Line("reduce-scatter buffer", unit * pol.reduced,
+                 f"{tag} one layer unit's unsharded gradients: {unit:,} × {pol.reduced} B"
+                 + (f" (computed in {pol.half}, reduced in fp32)"
+                    if pol.unit_grads != pol.reduced else ""), "communication", pol.name),
         ]
+    elif par.zero == 0 and n > 1 and pol.name == "megatron":
+        out.append(Line("DDP gradient buckets", 0, f"{tag} Megatron's DDP all-reduces the "
+                        f"contiguous main-gradient buffer in place: no second copy",
+                        "communication", pol.name))
     elif par.zero == 0 and n > 1:
-        out.append(Line("DDP gradient buckets", st.total * sb.grads,
-                        "a second copy of the gradients in all-reduce buckets (DDP's default; "
-                        "0 with gradient_as_bucket_view=True)", "communication"))
+        out.append(Line("DDP gradient buckets", st.total * pol.grads,
+                        f"{tag} a second copy of the gradients in all-reduce buckets (DDP's "
+                        f"default; 0 with gradient_as_bucket_view=True)", "communication",
+                        pol.name))
     if par.pp > 1 and batch and s_local:
         size = batch * s_local * cfg.d_model * e // (par.tp if par.sp and par.tp > 1 else 1)
         out.append(Line("pipeline send/recv", 2 * size,
-                        f"one activation received and one sent: 2 × b·s·d_model × {e} B",
-                        "communication"))
+                        f"{tag} one activation received and one sent: 2 × b·s·d_model × {e} B "
+                        f"(the residual stream)", "communication", pol.name))
     return out

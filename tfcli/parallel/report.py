@@ -16,7 +16,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, checkpointing: str, dtype: str, mixed: str | None,
              optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
              fit_what: str | None = None, reserve: str | None = None,
-             loop: str = "loss-only") -> dict:
+             loop: str = "loss-only", precision: str = "autocast") -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
     capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
     largest batch or length that fits there and the plan there."""
@@ -28,7 +28,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None):
         return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
-                    optimizer_states, kernel=kernel, loop=loop)
+                    optimizer_states, precision, kernel=kernel, loop=loop)
 
     found = bound = None
     step = 1
@@ -66,6 +66,48 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                                    f"{fit_what}: extrapolated, then galloping and bisection"
                                    + (f", lengths in steps of {step}" if fit_what == "seq-len"
                                       else "")}
+    return data
+
+
+def parse_param_count(text: str) -> int:
+    """--param-count: a whole number of parameters, written out or as 7.5e9."""
+    try:
+        value = float(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = -1.0
+    if not (1 <= value <= 1e15) or value != int(value):
+        raise TfcliError(f"--param-count {text!r}: a whole number of parameters from 1 to 1e15, "
+                         f"e.g. 7.5e9 or 7500000000")
+    return int(value)
+
+
+def stated_states(psi: int, parallel: str, precision: str, dtype: str, mixed: str | None,
+                  optimizer_states: int, device_memory: str | None = None,
+                  reserve: str | None = None) -> dict:
+    """The model states of Ψ = ``psi`` parameters on one of the data-parallel ranks, without a
+    model: weights, gradients, master weights and optimizer state as ``precision`` keeps them
+    (what Rajbhandari et al.'s Figure 1 tabulates), in the per-rank plan's record."""
+    from tfcli.parallel.plan import Plan, model_state_lines, policy, stage_states
+    from tfcli.parallel.precision import check_stage
+
+    par = parse_parallel(parallel)
+    pol = policy(precision, dtype, mixed, optimizer_states)
+    check_stage(pol, par.zero)
+    n = par.shard
+    lines = model_state_lines(psi, n, par.zero, pol)
+    lines[0].how = f"Ψ = {psi:,} as stated (--param-count); " + lines[0].how
+    conditions = {"micro_batch": None, "seq_len": None, "seq_len_per_rank": None,
+                  "micro_batches": 1, "checkpointing": "none", "dtype": dtype,
+                  "mixed_precision": mixed, "precision": pol.name, "state_bytes": pol.how,
+                  "sharded_over": n, "attention_kernel": None, "activations": None,
+                  "model_states_by_zero": stage_states(psi, n, pol),
+                  "model_states_from": f"--param-count {psi:,}: model states only (no "
+                                       f"layout: no buffers, units or activations)"}
+    total = sum(line.bytes for line in lines)
+    data = Plan(par, 0, lines, [], [total], conditions).to_dict()
+    data["world_size"] = par.world
+    if device_memory:
+        data["device"] = device_budget(device_memory, reserve).record(total, "total")
     return data
 
 
@@ -116,18 +158,25 @@ def render(data: dict, console) -> None:
         for line in data["cross_check"]:
             check.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
         console.print(check)
-    notes = [f"model states: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
+    notes = [f"precision: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
              f"data-parallel rank(s)"]
-    if cond.get("model_states_from"):  # a --model, traced from its built module tree
+    if cond.get("model_states_by_zero"):
+        notes.append(f"model states per rank at each ZeRO stage ({cond['precision']}, N = "
+                     f"{cond['sharded_over']}): " + ", ".join(
+                         f"ZeRO-{row['zero']} {row['bytes'] / 1e9:,.2f} GB"
+                         f" ({human_bytes(row['bytes'])})" for row in cond["model_states_by_zero"]))
+    if cond.get("wrap_units"):  # a --model, traced from its built module tree
         notes.append(f"parameters: {cond['model_states_from']}; FSDP units: "
                      f"{cond['wrap_units']}")
+    elif cond.get("model_states_from"):
+        notes.append(f"parameters: {cond['model_states_from']}")
     if data["peak"]:
         notes.append(f"peak: {data['peak']['how']}")
     if cond["activations"]:
         notes.append(f"activations: {cond['activations']}, checkpointing "
                      f"{cond['checkpointing']}, {cond['micro_batches']} micro-batch(es), "
                      f"attention kernel {cond['attention_kernel']}")
-    else:
+    elif "wrap_units" in cond or not cond.get("model_states_from"):
         notes.append("activations: not estimated (give --seq-len)")
     if "fit" in data:
         fit_ = data["fit"]
@@ -158,18 +207,23 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     mixed: str | None, optimizer: str, kernel: str, device_memory: str | None,
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
-                    timeline=None, loop: str = "loss-only") -> None:
+                    timeline=None, loop: str = "loss-only", precision: str = "autocast",
+                    param_count: int | None = None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
     ``timeline(plan) -> dict`` draws one rank's step and says what it wrote, which is printed
     after the plan (under "timeline" with --json). ``loop``: the training loop the activation
-    replay assumes (tfcli.inspection.memory.LOOPS)."""
+    replay assumes (tfcli.inspection.memory.LOOPS). ``param_count``: no model, the model
+    states of that many parameters (:func:`stated_states`)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
 
-    if cfg is None:  # a user's module or a Transformers model: traced from the built model
+    if param_count is not None:
+        data = stated_states(param_count, parallel or "dp=1", precision, dtype, mixed,
+                             OPTIMIZER_STATES[optimizer], device_memory, reserve)
+    elif cfg is None:  # a user's module or a Transformers model: traced from the built model
         from tfcli.parallel import traced
 
         # the traced plan fits into what is usable, given to it as a plain size; what it says
@@ -178,7 +232,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
         data = traced.per_rank(subject, parallel, batch, seq_len, micro_batches, sizes_at,
                                checkpointing or "none", dtype, mixed,
                                OPTIMIZER_STATES[optimizer], kernel,
-                               str(budget.usable) if budget else None, fit_what, wrap, loop)
+                               str(budget.usable) if budget else None, fit_what, wrap, loop,
+                               precision)
         if budget is not None:
             dev = data["device"]
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
@@ -187,7 +242,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
-                        fit_what, reserve, loop)
+                        fit_what, reserve, loop, precision)
         data["config"] = cfg.to_dict()
     if timeline is not None:
         data["timeline"] = timeline(data)

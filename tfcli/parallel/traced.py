@@ -25,7 +25,8 @@ import functools
 
 from tfcli.errors import TfcliError
 from tfcli.parallel.layout import Line, Parallel
-from tfcli.parallel.plan import CHECKPOINTING, Plan, StateBytes, state_bytes, step_peak
+from tfcli.parallel.plan import CHECKPOINTING, Plan, step_peak
+from tfcli.parallel.precision import Policy, check_stage, policy, state_parts
 from tfcli.parallel.units import Units, find_units, shard_numel
 
 
@@ -53,6 +54,9 @@ class TracedModel:
             model = subject.build(device)
             self.units: Units = find_units(model, wrap)
             self.buffer_numel = sum(b.numel() for b in model.buffers())
+            # DeepSpeed ZeRO-3's unit: the most parameters one module holds itself
+            self.largest_module = max(sum(p.numel() for p in m.parameters(recurse=False))
+                                      for m in model.modules())
         groups = [*self.units.groups, self.units.root]
         self.numel = sum(g.numel for g in groups)
         self.trainable = sum(g.trainable for g in groups)
@@ -65,6 +69,8 @@ class TracedModel:
     @functools.lru_cache(maxsize=64)
     def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str,
                loop: str = "loss-only"):
+        """The replay at ``sizes`` with the model's weights in ``dtype``, under autocast
+        ``mixed`` (None: none), for the training loop ``loop``."""
         from tfcli.inspection.memory import estimate_activations
 
         return estimate_activations(self.subject, dict(sizes), dtype, mixed, kernel,
@@ -72,36 +78,45 @@ class TracedModel:
 
     def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
              dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
-             kernel: str = "auto", loop: str = "loss-only") -> Plan:
+             kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast") -> Plan:
         """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
-        the activation lines, None only model states and buffers; ``loop``: the training loop
-        the replay assumes (tfcli.inspection.memory.LOOPS)."""
+        the activation lines, None only model states and buffers; every line follows the
+        precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
+        loop the replay assumes (tfcli.inspection.memory.LOOPS)."""
         refuse_model_splits(par)
         if checkpointing not in CHECKPOINTING:
             raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
                              f"{', '.join(CHECKPOINTING)}")
-        sb = state_bytes(dtype, mixed, optimizer_states)
+        sb = policy(precision, dtype, mixed, optimizer_states)
         n, zero = par.shard, par.zero
+        check_stage(sb, zero)
         lines = self._state_lines(n, zero, sb)
         if self.buffer_numel:
-            lines.append(Line("buffers", self.buffer_numel * sb.weights,
-                              f"{self.buffer_numel:,} elements × {sb.weights} B, on every rank "
-                              f"(FSDP and ZeRO shard parameters, not buffers)"))
+            # cast with the model (deepspeed, megatron: model.half()), not by FSDP's policy
+            per = sb.weights if sb.name in ("autocast", "fsdp-mixed") else 2
+            lines.append(Line("buffers", self.buffer_numel * per,
+                              f"{sb.tag()} {self.buffer_numel:,} elements × {per} B, on every "
+                              f"rank (FSDP and ZeRO shard parameters, not buffers)",
+                              precision=sb.name))
         lines += self._communication_lines(n, zero, sb)
         peak, how, per_unit = None, None, 0
         if sizes is not None:
-            estimate, how = self.replay(tuple(sorted(sizes.items())), dtype, mixed, kernel,
-                                        loop)
+            estimate, how = self.replay(tuple(sorted(sizes.items())), sb.run_dtype,
+                                        sb.autocast, kernel, loop)
             act, per_unit = self._activation_lines(estimate, checkpointing)
             lines += act
             peak = self._peak(lines, per_unit, n, zero, sb)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
                       "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
-                      "mixed_precision": mixed, "convention": "tfcli",
+                      "mixed_precision": mixed, "precision": sb.name,
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
                       "activations": how, "loop": loop if sizes is not None else None,
                       "wrap_units": self.units.how,
+                      "model_states_by_zero": [
+                          {"zero": z, "bytes": sum(line.bytes
+                                                   for line in self._state_lines(n, z, sb))}
+                          for z in range(4)],
                       "model_states_from": f"the built model: {self.numel:,} parameters "
                                            f"({self.trainable:,} trainable)"}
         total = sum(line.bytes for line in lines)
@@ -109,48 +124,68 @@ class TracedModel:
 
     # --- the lines ------------------------------------------------------------------------
 
-    def _state_lines(self, n: int, zero: int, sb: StateBytes) -> list[Line]:
-        def share(what: str, per: int, numel: int, shapes, sharded: bool, of: str) -> Line:
-            if sharded and n > 1:
+    def _state_lines(self, n: int, zero: int, sb: Policy) -> list[Line]:
+        def share(part, numel: int, shapes, of: str) -> Line:
+            what, per = f"{sb.tag()} {part.what}", part.per_param
+            if zero >= part.sharded_from and n > 1:
                 local = shard_numel(shapes, n)
-                return Line(what, local * per,
-                            f"{per} B × {local:,} of {numel:,} {of} (ZeRO-{zero}: each "
-                            f"parameter's rows split {n} ways, as FSDP2 shards)")
-            return Line(what, numel * per, f"{per} B × {numel:,} {of}"
-                        + (" (replicated)" if n > 1 else ""))
+                return Line(part.name, local * per,
+                            f"{what}: {per} B × {local:,} of {numel:,} {of} (ZeRO-{zero}: each "
+                            f"parameter's rows split {n} ways, as FSDP2 shards)",
+                            precision=sb.name)
+            return Line(part.name, numel * per, f"{what}: {per} B × {numel:,} {of}"
+                        + (" (replicated)" if n > 1 else ""), precision=sb.name)
 
         frozen = self.numel - self.trainable
-        weights = share("weights", sb.weights, self.numel, self.shapes, zero >= 3, "parameters")
-        if frozen:
-            weights.how += f"; {frozen:,} frozen: no gradients or optimizer state"
-        return [weights,
-                share("gradients", sb.grads, self.trainable, self.trainable_shapes, zero >= 2,
-                      "trainable"),
-                share("optimizer state", sb.optimizer, self.trainable, self.trainable_shapes,
-                      zero >= 1, "trainable")]
+        lines = []
+        for part in state_parts(sb, zero):
+            if part.name == "weights":
+                lines.append(share(part, self.numel, self.shapes, "parameters"))
+                if frozen:
+                    lines[-1].how += f"; {frozen:,} frozen: no gradients or optimizer state"
+            else:
+                lines.append(share(part, self.trainable, self.trainable_shapes, "trainable"))
+        return lines
 
-    def _communication_lines(self, n: int, zero: int, sb: StateBytes) -> list[Line]:
-        units, out = self.units, []
+    def _communication_lines(self, n: int, zero: int, sb: Policy) -> list[Line]:
+        units, out, tag, g = self.units, [], sb.tag(), sb.gathered
+        if zero == 3 and sb.name == "deepspeed":
+            module = self.largest_module
+            return [Line("unsharded parameters", module * g,
+                         f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it "
+                         f"runs: the largest module ({module:,}) × {g} B; prefetch "
+                         f"(stage3_prefetch_bucket_size) not counted, as DeepSpeed's estimate",
+                         "communication", sb.name),
+                    Line("reduce-scatter buffer", module * sb.reduced,
+                         f"{tag} the largest module's unsharded gradients: {module:,} × "
+                         f"{sb.reduced} B", "communication", sb.name)]
         largest = units.largest
         unit = largest.numel if largest else 0
         if zero == 3:
-            out.append(Line("unsharded parameters", (units.root.numel + unit) * sb.weights,
-                            f"FSDP2: the root unit ({units.root.numel:,}, kept gathered from "
-                            f"forward to backward) + the largest layer unit ({unit:,}) × "
-                            f"{sb.weights} B; units: {units.how}", "communication"))
+            out.append(Line("unsharded parameters", (units.root.numel + unit) * g,
+                            f"{tag} FSDP2: the root unit ({units.root.numel:,}, kept gathered "
+                            f"from forward to backward) + the largest layer unit ({unit:,}) × "
+                            f"{g} B; units: {units.how}", "communication", sb.name))
         if zero == 3 and n > 1 and largest:
             out += [
-                Line("all-gather buffer", unit * sb.weights,
-                     f"the next layer unit gathered ahead (prefetch): {unit:,} × "
-                     f"{sb.weights} B", "communication"),
-                Line("reduce-scatter buffer", largest.trainable * sb.grads,
-                     f"one layer unit's unsharded gradients: {largest.trainable:,} × "
-                     f"{sb.grads} B", "communication"),
+                Line("all-gather buffer", unit * g,
+                     f"{tag} the next layer unit gathered ahead (prefetch): {unit:,} × {g} B",
+                     "communication", sb.name),
+                Line("reduce-scatter buffer", largest.trainable * sb.reduced,
+                     f"{tag} one layer unit's unsharded gradients: {largest.trainable:,} × "
+                     f"{sb.reduced} B" + (f" (computed in {sb.half}, reduced in fp32)"
+                                          if sb.unit_grads != sb.reduced else ""),
+                     "communication", sb.name),
             ]
         elif zero == 0 and n > 1:
-            out.append(Line("DDP gradient buckets", self.trainable * sb.grads,
-                            "a second copy of the gradients in all-reduce buckets (DDP's "
-                            "default; 0 with gradient_as_bucket_view=True)", "communication"))
+            copy = 0 if sb.name == "megatron" else self.trainable * sb.grads
+            out.append(Line("DDP gradient buckets", copy,
+                            f"{tag} " + ("Megatron's DDP all-reduces the contiguous main-"
+                                         "gradient buffer in place: no second copy" if not copy
+                                         else "a second copy of the gradients in all-reduce "
+                                         "buckets (DDP's default; 0 with "
+                                         "gradient_as_bucket_view=True)"),
+                            "communication", sb.name))
         return out
 
     def _activation_lines(self, estimate, checkpointing: str) -> tuple[list[Line], int]:
@@ -187,7 +222,7 @@ class TracedModel:
                         "activations"))
         return out, max(kept, default=0)
 
-    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: StateBytes):
+    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: Policy):
         """The step's moments. Without FSDP, tfcli.parallel.plan.step_peak's. With it
         (FSDP2's default: the root gathered from forward to backward, the layer units
         resharded after their forward), the loss's backward runs with the root alone
@@ -206,9 +241,11 @@ class TracedModel:
                      and line.name != "gradients")
         activations = by["activations: layers"] + by["activations: outside the units"]
         extra = by.get("activations: recomputed layer", 0)
-        root = self.units.root.numel * sb.weights
+        deepspeed = sb.name == "deepspeed"  # module units, no root kept gathered
+        root = 0 if deepspeed else self.units.root.numel * sb.gathered
         gathered = by["unsharded parameters"] + by.get("all-gather buffer", 0)
-        unit_grads = largest.trainable * sb.grads if largest else 0
+        unit_numel = self.largest_module if deepspeed else largest.trainable if largest else 0
+        unit_grads = unit_numel * sb.unit_grads
         moments = {
             "loss backward": states + root + activations + by[WORKING],
             "units' backward start": states + gathered + by["activations: layers"] + extra
@@ -217,7 +254,7 @@ class TracedModel:
                                        - min(per_unit, by["activations: layers"]) + unit_grads
                                        + by.get("reduce-scatter buffer", 0)
                                        + (shard_numel(largest.trainable_shapes, n) * sb.grads
-                                          if largest else 0)),
+                                          if largest and not deepspeed else 0)),
             "backward end": peak.moments["backward end"]}
         moment = max(moments, key=moments.__getitem__)
         how = ("the largest of these moments of a step with zero_grad(set_to_none=True), "
@@ -236,7 +273,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, sizes_at,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
              kernel: str, device_memory: str | None, fit_what: str | None,
-             wrap: str | None, loop: str = "loss-only") -> dict:
+             wrap: str | None, loop: str = "loss-only", precision: str = "autocast") -> dict:
     """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size."""
@@ -260,7 +297,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None) -> Plan:
         return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
-                           dtype, mixed, optimizer_states, kernel, loop)
+                           dtype, mixed, optimizer_states, kernel, loop, precision)
 
     found = bound = None
     step = 1
