@@ -160,10 +160,10 @@ def render(data: dict, console) -> None:
         console.print(check)
     notes = [f"precision: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
              f"data-parallel rank(s)"]
-    if cond.get("model_states_by_zero"):
+    if cond.get("model_states_by_zero") and cond["sharded_over"] > 1:
         notes.append(f"model states per rank at each ZeRO stage ({cond['precision']}, N = "
                      f"{cond['sharded_over']}): " + ", ".join(
-                         f"ZeRO-{row['zero']} {row['bytes'] / 1e9:,.2f} GB"
+                         f"ZeRO-{row['zero']} {row['bytes'] / 1e9:.3g} GB"
                          f" ({human_bytes(row['bytes'])})" for row in cond["model_states_by_zero"]))
     if cond.get("wrap_units"):  # a --model, traced from its built module tree
         notes.append(f"parameters: {cond['model_states_from']}; FSDP units: "
