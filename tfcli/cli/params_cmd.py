@@ -514,6 +514,7 @@ def params(
                     memory=[m.record() for m in memory],
                     activations_method=how or None,
                     dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
+                    precision=prec,  # one device: always autocast's (the others are per rank)
                     optimizer_impl=impl if activations is not None else None,
                     loop=loop.value if activations is not None else None,
                     subject=subject.describe())
