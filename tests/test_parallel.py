@@ -603,7 +603,7 @@ def test_params_and_its_per_rank_plan_share_one_json_schema(cli):
     one, ranked = (json.loads(cli(*args, *more).stdout) for more in ([], ["--parallel", "dp=2"]))
     assert "lines" not in ranked and "lines" not in one
     keys = {frozenset(line) for data in (one, ranked) for line in data["memory"]}
-    assert keys == {frozenset({"name", "bytes", "how", "kind", "summary"})}
+    assert keys == {frozenset({"name", "bytes", "how", "kind", "summary", "precision"})}
     kinds = lambda data: {line["name"]: line["kind"] for line in data["memory"]}  # noqa: E731
     assert kinds(one)["gradients"] == kinds(ranked)["gradients"] == "model states"
 

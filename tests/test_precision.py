@@ -22,7 +22,7 @@ def _json(cli, *args: str) -> dict:
 
 
 def _states(data: dict) -> int:
-    return sum(line["bytes"] for line in data["lines"] if line["kind"] == "model states")
+    return sum(line["bytes"] for line in data["memory"] if line["kind"] == "model states")
 
 
 def test_zero_paper_figure_1_in_one_command(cli):
@@ -36,8 +36,8 @@ def test_zero_paper_figure_1_in_one_command(cli):
     assert round(by[2], 1) == 16.6
     assert round(by[3], 2) == 1.88
     assert _states(data) == by[0] * GB  # the plan's own lines are its zero=0 row
-    assert all(line["precision"] == "zero-paper" for line in data["lines"])
-    assert all(line["how"].startswith(("Ψ", "[zero-paper")) for line in data["lines"])
+    assert all(line["precision"] == "zero-paper" for line in data["memory"])
+    assert all(line["how"].startswith(("Ψ", "[zero-paper")) for line in data["memory"])
 
 
 def _deepspeed_model_to_params(model: torch.nn.Module) -> tuple[int, int]:
@@ -61,7 +61,7 @@ def test_deepspeed_zero2_and_zero3_estimates(cli, zero):
     expected = (2 * total if zero == 2 else 4 * largest) + int(18 * total / n)
     data = _json(cli, "-p", "tiny", "--parallel", f"dp={n},zero={zero}", "--precision",
                  "deepspeed")
-    got = _states(data) + sum(line["bytes"] for line in data["lines"]
+    got = _states(data) + sum(line["bytes"] for line in data["memory"]
                               if line["name"] in ("unsharded parameters",
                                                   "reduce-scatter buffer"))
     assert abs(got - expected) <= 4  # each of four sharded lines rounds up on its own

@@ -524,9 +524,10 @@ class MemoryLine:
         return "peak" if self.summary else "working memory"
 
     def record(self) -> dict:
-        """The line in --json: the same keys as a per-rank plan's memory lines."""
+        """The line in --json: the same keys as a per-rank plan's memory lines (one device
+        follows one policy, named once as the record's ``precision``: no line names it)."""
         return {"name": self.name, "bytes": self.bytes, "how": self.how, "kind": self.kind,
-                "summary": self.summary}
+                "summary": self.summary, "precision": None}
 
 
 def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,

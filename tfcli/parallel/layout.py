@@ -25,7 +25,7 @@ class Line:
         """The line in --json: the keys of ``tfcli params``'s memory lines
         (tfcli.inspection.memory.MemoryLine.record); none of these is a summary."""
         return {"name": self.name, "bytes": self.bytes, "how": self.how, "kind": self.kind,
-                "summary": False}
+                "summary": False, "precision": self.precision}
 
 
 @dataclass(frozen=True)

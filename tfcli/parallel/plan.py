@@ -35,7 +35,7 @@ from tfcli.parallel.activations import (activation_lines, cross_check, kept_per_
                                     replay_share)
 from tfcli.parallel.layout import (Line, Parallel, StageParams, parse_parallel,  # noqa: F401
                                stage_params)
-from tfcli.parallel.precision import (DTYPE_BYTES, Policy, check_stage, policy,  # noqa: F401
+from tfcli.parallel.precision import (Policy, check_stage, policy,  # noqa: F401
                                       state_parts, stage_totals)
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
