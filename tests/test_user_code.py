@@ -326,3 +326,60 @@ def test_the_process_ends_with_one_line(user_code_processes, case):
     assert ACTIONS[action][1] in stderr, stderr
     if action != "thread":
         assert STAGES[stage] in stderr, stderr
+
+
+# --- crashes that leave nothing to run a handler in: the native handler (no torch) -------------
+
+NO_INTERPRETER = {  # name -> (a script whose crash comes inside contained(), the stage named)
+    # json's C parser nested 10**7 deep with the recursion limit out of the way: the C stack
+    # overflows, and a handler on that stack would fault again (exit -11, no line)
+    "c-stack-overflow": ("import json, sys\nsys.setrecursionlimit(10**8)\n"
+                         "with contained('in its forward pass'):\n"
+                         "    json.loads('[' * 10**7)\n", "in its forward pass"),
+    # a thread that never held the GIL faults while the main thread holds it (PyDLL calls do):
+    # a handler that needs the interpreter waits for the GIL for as long as it is held
+    "thread-without-the-gil": ("import ctypes, sys\nsys.setswitchinterval(60)\n"
+                               "libc = ctypes.PyDLL(None)\n"
+                               "with contained('while it was built'):\n"
+                               "    libc.pthread_create(ctypes.byref(ctypes.c_ulong()), None, "
+                               "ctypes.c_void_p(8), None)\n"
+                               "    libc.sleep(30)\n", "while it was built"),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_gone():
+    return background.result("interpreter_gone")
+
+
+@background.job("interpreter_gone")
+def _interpreter_gone() -> dict:
+    out = {}
+    env = {k: v for k, v in background.session_env().items() if k != "PYTHONFAULTHANDLER"}
+    for name, (script, _) in NO_INTERPRETER.items():
+        code = "from tfcli.subjects.contain import contained\n" + script
+        proc = background.popen([sys.executable, "-c", code], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            err = proc.communicate(timeout=10)[1]
+            out[name] = proc.returncode, err
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[name] = None
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the native crash handler is Linux x86-64's; elsewhere a Python "
+                           "callback does its best")
+@pytest.mark.parametrize("name", NO_INTERPRETER)
+def test_a_crash_with_no_stack_or_no_interpreter_left_is_one_line(interpreter_gone, name):
+    """Issue 25: a C stack overflow ended the process with -11 and nothing printed, and a crash
+    in a thread without the GIL waited for it. The handler is two system calls on a stack of
+    its own: one line, exit 1, at once."""
+    result = interpreter_gone[name]
+    assert result is not None, "the process did not end in 10 s"
+    assert result == (1, f"tfcli: the model crashed the process with a segmentation fault "
+                         f"(SIGSEGV) {NO_INTERPRETER[name][1]}; tfcli reports it as a failed "
+                         f"run\n")

@@ -5,16 +5,25 @@ failed run, and a crash prints one fixed line before the process ends with exit 
 
 A crash is answered from inside the fatal signal's handler, the only place left to say anything
 without a second process watching this one. Python's own ``signal.signal`` cannot serve: its
-handlers run later, between bytecodes, and the faulting instruction would repeat first. So the
-handler is a C function pointer (ctypes) installed with libc's ``signal()``, which writes the
-line with ``os.write`` and ends the process with ``os._exit``. That is Python code in a signal
-handler, so it is a best effort with known limits: a crash that overflowed the stack leaves no
-room to run it, and one that left the interpreter unusable (a corrupt heap) faults again in
-it, where the signal is blocked; either way the kernel ends the process as it would have
-without the handler (exit -11, no line). A crash in a thread that does not hold the GIL waits
-for it, for ever if the thread holding it waits for the crashed one. When ``faulthandler`` is
-on (``PYTHONFAULTHANDLER``, ``-X faulthandler``) the user asked for its traceback dump, and
-tfcli leaves the signals to it.
+handlers run later, between bytecodes, and the faulting instruction would repeat first. The
+handler must be a C function, and one that needs nothing of the process it is called in: a
+stack overflow leaves no stack to run on, a corrupt heap no ``malloc``, and a crash in a thread
+that does not hold the GIL no interpreter (the thread holding it may wait for the crashed one
+for ever). So the handler is nine machine instructions, ``write(2, line, length)`` then
+``exit_group(1)`` as two system calls, that read the line from a table tfcli fills in before
+the model runs; it runs on an alternate signal stack of its own (``sigaltstack``,
+``SA_ONSTACK``), as faulthandler's does. ctypes can give a signal a C function pointer, but
+only to a Python callback or to a library function, and no library function writes a line
+and exits; so the instructions are written into a page of their own, made executable
+(``mprotect``): Linux on x86-64 only, with ctypes' ``sigaction``.
+
+Elsewhere (another CPU or system, or where the system refuses executable pages), the handler
+is a Python callback (ctypes), installed with libc's ``signal()``: a best effort whose limits
+the native handler was written to lift: no line after a stack overflow or a corrupt heap
+(exit -11), and a wait for the GIL after a crash in a thread without it. The alternate stack is
+the main thread's only: a stack overflow in another thread still ends the process with -11
+and no line. When ``faulthandler`` is on (``PYTHONFAULTHANDLER``, ``-X faulthandler``) the user
+asked for its traceback dump, and tfcli leaves the signals to it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import contextlib
 import os
 import sys
 import threading
+from typing import Any, NamedTuple
 
 # The interpreter's own os._exit, for tfcli's own exits and for the end of a crash: while the
 # model runs, os._exit is the stand-in below.
@@ -75,13 +85,20 @@ def _crashed(signum: int) -> None:
 
 def _catch_crashes():
     """Install the crash handler for the fatal signals; returns how to put the previous
-    handlers back, or None where it cannot be installed (no libc signal(), faulthandler on)."""
-    global _handler
+    handlers back, or None where it cannot be installed (no libc, faulthandler on)."""
     import faulthandler
-    import signal
 
     if faulthandler.is_enabled() or os.name != "posix":
         return None
+    return _native_handler() or _python_handler()
+
+
+def _python_handler():
+    """The handler as a Python callback (ctypes) through libc's ``signal()``: where the
+    native one cannot be had."""
+    global _handler
+    import signal
+
     if _handler is None:
         try:
             import ctypes
@@ -104,6 +121,124 @@ def _catch_crashes():
     return restore
 
 
+# The native handler, x86-64 (assembled with GNU as, checked with objdump): edi holds the
+# signal's number; TABLE[signum] points at the line's length (8 bytes) and the line.
+#   movsxd rdi, edi;  movabs rax, TABLE;  mov rsi, [rax + rdi*8];  test rsi, rsi;  jz 1f
+#   mov rdx, [rsi];  add rsi, 8;  mov edi, 2;  mov eax, 1 (write);  syscall
+#   1: mov edi, 1;  mov eax, 231 (exit_group);  syscall;  ud2
+_X86_64 = ("4863ff48b8{table}488b34f84885f67413488b164883c608bf02000000b8010000000f05"
+           "bf01000000b8e70000000f050f0b")
+_SA_ONSTACK, _SS_DISABLE = 0x08000000, 2
+_ALT_STACK = 64 * 1024  # the kernel's signal frame (up to ~12 KiB with AVX-512/AMX) and room
+_native = None  # a _Native once made; False where it cannot be had
+_blocks: dict[bytes, object] = {}  # line -> its (length, bytes) block, kept while pointed at
+
+
+class _Native(NamedTuple):
+    libc: Any
+    table: Any  # signal number -> address of a (length, line) block
+    stack: Any  # the stack_t of the alternate stack
+    memory: Any  # the alternate stack's memory, kept
+    action: Any  # the struct sigaction that installs the handler
+    stack_t: type
+    sigaction_t: type
+
+
+def _native_setup():
+    """What the native handler needs, made once; None where it cannot be had (not Linux on
+    x86-64, no libc, no executable page)."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap, mprotect = libc.mmap, libc.mprotect
+    except (OSError, AttributeError):
+        return None
+    mmap.restype = ctypes.c_void_p
+    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_long]
+    mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    table = (ctypes.c_void_p * 65)()
+    code = bytes.fromhex(_X86_64.format(
+        table=ctypes.addressof(table).to_bytes(8, "little").hex()))
+    page = 4096
+    # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS; then PROT_READ|PROT_EXEC: never
+    # writable and executable at once. The page is never unmapped.
+    address = mmap(None, page, 0x1 | 0x2, 0x02 | 0x20, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return None
+    ctypes.memmove(address, code, len(code))
+    if mprotect(address, page, 0x1 | 0x4) != 0:  # refused (SELinux execmem, PaX)
+        return None
+
+    class StackT(ctypes.Structure):
+        _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+
+    class SigAction(ctypes.Structure):  # glibc's struct sigaction on Linux x86-64
+        _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                    ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+    stack = ctypes.create_string_buffer(_ALT_STACK)
+    return _Native(libc, table, StackT(ctypes.addressof(stack), 0, _ALT_STACK), stack,
+                   SigAction(address, (ctypes.c_ulong * 16)(), _SA_ONSTACK, None), StackT,
+                   SigAction)
+
+
+def _native_handler():
+    """Install the native handler on an alternate stack; returns how to put the previous
+    handlers and stack back, or None where it cannot be had."""
+    global _native
+    import ctypes
+    import signal
+
+    if _native is None:
+        _native = _native_setup() or False
+    if not _native:
+        return None
+    libc = _native.libc
+    _publish()
+    old_stack = _native.stack_t()
+    if libc.sigaltstack(None, ctypes.byref(old_stack)) != 0:
+        return None
+    stack_set = bool(old_stack.flags & _SS_DISABLE)  # one there already serves as well
+    if stack_set and libc.sigaltstack(ctypes.byref(_native.stack), None) != 0:
+        return None
+    previous = {}
+    for name in _FATAL:
+        if hasattr(signal, name):
+            old = _native.sigaction_t()
+            if libc.sigaction(getattr(signal, name), ctypes.byref(_native.action),
+                              ctypes.byref(old)) == 0:
+                previous[getattr(signal, name)] = old
+
+    def restore() -> None:
+        for signum, old in previous.items():
+            libc.sigaction(signum, ctypes.byref(old), None)
+        if stack_set:
+            libc.sigaltstack(ctypes.byref(_native.stack_t(None, _SS_DISABLE, 0)), None)
+
+    return restore
+
+
+def _publish() -> None:
+    """Point the native handler's table at the current lines. Each entry is one aligned
+    8-byte store: a crash meanwhile reads the old line or the new one, whole."""
+    import ctypes
+
+    if not _native:
+        return
+    table = _native.table
+    for signum, line in _crash_lines.items():
+        block = _blocks.get(line)
+        if block is None:
+            block = _blocks[line] = ctypes.create_string_buffer(
+                len(line).to_bytes(8, "little") + line)
+        table[signum] = ctypes.addressof(block)
+
+
 def _lines(stage: str) -> dict[int, bytes]:
     import signal
 
@@ -123,6 +258,7 @@ def contained(stage: str):
     saved_lines, restore = _crash_lines, None
     saved_exits = (os._exit, getattr(_POSIX, "_exit", None))
     _crash_lines = _lines(stage)
+    _publish()
     if outer:
         _owner = os.getpid()
         os._exit = _stand_in_exit
@@ -135,6 +271,7 @@ def contained(stage: str):
     finally:
         _depth -= 1
         _crash_lines = saved_lines
+        _publish()
         if outer:
             os._exit = saved_exits[0]
             if _POSIX is not None:
