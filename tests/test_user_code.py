@@ -344,6 +344,13 @@ NO_INTERPRETER = {  # name -> (a script whose crash comes inside contained(), th
                                "    libc.pthread_create(ctypes.byref(ctypes.c_ulong()), None, "
                                "ctypes.c_void_p(8), None)\n"
                                "    libc.sleep(30)\n", "while it was built"),
+    # the model has corrupted memory a handler in Python would use (here the type pointer of the dict
+    # of lines that a Python handler reads) before it faults: a handler that runs Python
+    # faults again, where the signal is blocked (exit -11, no line)
+    "corrupt-memory": ("import ctypes\nfrom tfcli.subjects import contain\n"
+                       "with contained('in its forward pass'):\n"
+                       "    ctypes.memset(id(contain._crash_lines) + 8, 0, 8)\n"
+                       "    ctypes.string_at(0)\n", "in its forward pass"),
 }
 
 
