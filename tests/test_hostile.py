@@ -887,6 +887,71 @@ def test_profile_trace_not_written_whole_is_a_failed_run(cli, tmp_path, monkeypa
     assert list(traces.iterdir()) == []
 
 
+# Signals while a --profile trace is exported: the export as Kineto's would be caught part-way
+# (its temporary file, the name plus ".tmp", half-written), and the signals arriving meanwhile,
+# while torch's C++ holds the interpreter: Python runs their handlers when it returns.
+PROFILE_SIGNALLED = """
+import signal, sys, threading
+from pathlib import Path
+from torch.profiler import profile
+from tfcli.cli import main
+
+came = [getattr(signal, name) for name in sys.argv.pop(1).split(",")]
+
+def export_part(self, path, *args, **kwargs):
+    Path(f"{path}.tmp").write_text('{"traceEvents": [')
+    signal.pthread_sigmask(signal.SIG_BLOCK, came)  # held back until both are there
+    for signum in came:  # to this thread: torch's threads would take a signal to the process
+        signal.pthread_kill(threading.get_ident(), signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, came)
+
+profile.export_chrome_trace = export_part
+main()
+"""
+PROFILED = ["bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels", "sdpa",
+            "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.02", "--profile", "traces"]
+
+
+@pytest.fixture(scope="module")
+def profile_signalled():
+    return background.result("profile_signalled")
+
+
+@background.job("profile_signalled")
+def _profile_signalled() -> dict:
+    out = {}
+    for signals in ("SIGINT", "SIGINT,SIGTERM"):
+        with tempfile.TemporaryDirectory(prefix="tfcli-profile-") as name:
+            done = background.run([sys.executable, "-c", PROFILE_SIGNALLED, signals, *PROFILED],
+                                  120, cwd=name, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**background.session_env(), "COLUMNS": "100"})
+            out[signals] = (done.returncode, done.stdout, done.stderr,
+                            sorted(p.name for p in Path(name, "traces").iterdir()))
+    return out
+
+
+def test_ctrl_c_while_a_trace_is_exported(profile_signalled):
+    """Issue 25: the KeyboardInterrupt of a Ctrl-C during the export unwound through the
+    profiler, which crashed the process (exit -11, no line). It stops the sweep as anywhere
+    else (130, the table printed), with no trace and no temporary file left, and no claim that
+    traces were written."""
+    code, out, err, files = profile_signalled["SIGINT"]
+    assert code == 130 and err.strip().splitlines()[-1] == "tfcli: interrupted (Ctrl-C)", err
+    assert "Traceback" not in err and "sdpa" in out and "wrote profiler traces" not in out, out
+    assert files == []
+
+
+def test_second_signal_while_a_trace_is_exported_leaves_nothing(profile_signalled):
+    """Issue 25: Ctrl-C then SIGTERM while the trace is exported ends the run at once (143, one
+    line); Kineto's half-written temporary file is removed with tfcli's own."""
+    code, out, err, files = profile_signalled["SIGINT,SIGTERM"]
+    lines = err.strip().splitlines()
+    assert code == 143 and lines[-1].startswith("tfcli: terminated (SIGTERM) while stopping"), err
+    assert sum(line.startswith("tfcli:") for line in lines) == 1 and "Traceback" not in err
+    assert files == []
+
+
 def test_stderr_past_a_file_size_limit_keeps_the_exit_code(tmp_path):
     """Issue 25: with stderr in a file that reaches its size limit (``ulimit -f``), the refusal
     cannot be written, and Python's flush of stderr at exit failed again: exit 120, not the

@@ -306,7 +306,7 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
         render(records, fitted, env, console, sweep.interrupted)
         for line in [*sweep.notes, *written]:
             console.print(line)
-        if profile is not None and failed is None:
+        if profile is not None and failed is None and after_cell.traces:
             console.print(f"wrote profiler traces to {profile}/ — view them with TensorBoard's "
                           f"PyTorch profiler plugin (pip install torch-tb-profiler tensorboard; "
                           f"tensorboard --logdir {profile} --host 127.0.0.1), or open a "
@@ -381,7 +381,8 @@ def _add_fit_columns(csv_out: AtomicFile, fitted) -> None:
 
 def _profiler(directory: Path):
     """A callback writing a short torch.profiler trace of each measured cell, whole or not at
-    all (:func:`_write_trace`). A trace that could not be written ends the sweep (exit 1)."""
+    all (:func:`_write_trace`). A trace that could not be written ends the sweep (exit 1).
+    ``after_cell.traces`` counts the traces written."""
     def after_cell(record, prepared) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -395,14 +396,16 @@ def _profiler(directory: Path):
         if record.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
         name = f"{record.kernel}_{record.pass_}_L{record.seq_len}_{record.device}_{record.dtype}"
-        failed: list[OSError] = []
+        failed: list[BaseException] = []
 
         def on_trace_ready(prof) -> None:
             # raised from here, an error unwinds through the profiler mid-step, which crashes
-            # the process (SIGSEGV, torch 2.13): kept, and raised once the profiler is done
+            # the process (SIGSEGV, torch 2.13): kept, and raised once the profiler is done.
+            # That includes the KeyboardInterrupt of a Ctrl-C or SIGTERM during the export.
             try:
                 _write_trace(prof, directory, name)
-            except OSError as error:
+                after_cell.traces += 1
+            except BaseException as error:
                 failed.append(error)
 
         try:
@@ -415,10 +418,13 @@ def _profiler(directory: Path):
                     prof.step()
         except (OSError, RuntimeError) as error:  # the profiler itself failed
             raise _WriteFailed(f"--profile {str(directory)!r}: {error}") from None
+        if failed and not isinstance(failed[0], OSError):
+            raise failed[0]
         if failed:
             raise _WriteFailed(f"--profile {str(directory)!r}: "
                                f"{failed[0].strerror or failed[0]}") from None
 
+    after_cell.traces = 0
     return after_cell
 
 
@@ -433,7 +439,7 @@ def _write_trace(prof, directory: Path, name: str) -> None:
     import time
 
     out = AtomicFile(directory / f"{name}.{time.time_ns()}.pt.trace.json")
-    kineto_temp = Path(f"{out.temp}.tmp")
+    out.also(Path(f"{out.temp}.tmp"))  # Kineto's; a second signal ends the run without it too
     try:
         prof.export_chrome_trace(str(out.temp))
         try:
@@ -443,5 +449,4 @@ def _write_trace(prof, directory: Path, name: str) -> None:
         out.commit()
     except BaseException:
         out.discard()
-        kineto_temp.unlink(missing_ok=True)
         raise

@@ -131,6 +131,21 @@ class AtomicFile:
         os.close(fd)
         self._file: IO[str] | None = None
         self._newline = newline
+        self._also: list[Path] = []
+
+    def also(self, temp: Path) -> None:
+        """Another temporary file that the writer of ``temp`` (a library) may leave: removed
+        with this one by :meth:`discard`, :meth:`commit` and :func:`remove_pending`."""
+        self._also.append(temp)
+        _PENDING.add(temp)
+
+    def _drop_also(self) -> None:
+        for temp in self._also:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            _PENDING.discard(temp)
 
     def text(self) -> IO[str]:
         if self._file is None:
@@ -145,6 +160,7 @@ class AtomicFile:
         os.chmod(self.temp, mode)  # mkstemp makes 0600; keep the file's or the umask's
         os.replace(self.temp, self.target)
         _PENDING.discard(self.temp)
+        self._drop_also()
 
     def discard(self) -> None:
         try:
@@ -157,6 +173,7 @@ class AtomicFile:
         except OSError:
             pass
         _PENDING.discard(self.temp)
+        self._drop_also()
 
 
 def _umask() -> int:

@@ -23,12 +23,15 @@ def _exit_now(signum: int, message: str | None) -> None:
     files are untouched: they are only ever replaced by a rename), the cursor shown,
     ``message`` on stderr. Only raw writes: the code interrupted may be inside a write to the
     same stream, where a second buffered write would raise (a traceback)."""
+    from tfcli.subjects.contain import console_stderr
+
     remove_pending()
+    err = console_stderr()  # fd 2 may be /dev/null for the moment (torch's profiler runs)
     try:
-        if os.isatty(2):
-            os.write(2, b"\x1b[?25h")
+        if os.isatty(err):
+            os.write(err, b"\x1b[?25h")
         if message:
-            os.write(2, f"tfcli: {message}\n".encode("ascii", "replace"))
+            os.write(err, f"tfcli: {message}\n".encode("ascii", "replace"))
     except OSError:
         pass
     os._exit(128 + signum)
@@ -94,6 +97,10 @@ class Signals:
         import signal
         import threading
 
+        from tfcli.subjects.contain import pin_console_stderr
+
+        if self.own_process:
+            pin_console_stderr()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._saved[sig] = signal.signal(sig, self._handle)

@@ -46,6 +46,26 @@ _depth = 0  # contained() blocks under way (they nest: a forward pass inside a s
 _owner = os.getpid()  # a process forked while the model runs is not this one
 _crash_lines: dict[int, bytes] = {}  # signal number -> the line, for the innermost stage
 _handler = None  # (libc's signal(), the ctypes callback, its address): kept while installed
+_console_fd: int | None = None  # stderr as the command started (pin_console_stderr)
+
+
+def pin_console_stderr() -> None:
+    """Keep a descriptor for stderr as the command starts (tfcli's own process only). tfcli
+    points fd 2 at /dev/null while torch's profiler runs (it prints on every session; see
+    ``tfcli.inspection.memory.quiet_native_stderr``), and the model's code and bench's trace
+    export run there too: a line that ends the process (a crash, a second signal) must still
+    reach the user."""
+    global _console_fd
+    if _console_fd is None:
+        try:
+            _console_fd = os.dup(2)  # not inherited by child processes
+        except OSError:  # stderr closed: nothing to keep
+            pass
+
+
+def console_stderr() -> int:
+    """Where a line that ends the process goes: stderr as the command started, else fd 2."""
+    return 2 if _console_fd is None else _console_fd
 
 
 class OsExitCalled(SystemExit):
@@ -70,7 +90,7 @@ def _stand_in_exit(code) -> None:
 
 def _write(text: str) -> None:
     try:
-        os.write(2, text.encode("ascii", "replace"))
+        os.write(console_stderr(), text.encode("ascii", "replace"))
     except OSError:  # stderr closed: the exit code still tells
         pass
 
@@ -78,7 +98,8 @@ def _write(text: str) -> None:
 def _crashed(signum: int) -> None:
     """The fatal signal's handler: one fixed line, then the end of the process (exit 1)."""
     try:
-        os.write(2, _crash_lines.get(signum) or b"tfcli: the model crashed the process\n")
+        os.write(console_stderr(), _crash_lines.get(signum)
+                 or b"tfcli: the model crashed the process\n")
     finally:
         REAL_EXIT(1)
 
@@ -122,11 +143,12 @@ def _python_handler():
 
 
 # The native handler, x86-64 (assembled with GNU as, checked with objdump): edi holds the
-# signal's number; TABLE[signum] points at the line's length (8 bytes) and the line.
+# signal's number; TABLE[signum] points at the line's length (8 bytes) and the line, and
+# TABLE[0] (no signal has number 0) holds the descriptor to write it to.
 #   movsxd rdi, edi;  movabs rax, TABLE;  mov rsi, [rax + rdi*8];  test rsi, rsi;  jz 1f
-#   mov rdx, [rsi];  add rsi, 8;  mov edi, 2;  mov eax, 1 (write);  syscall
+#   mov rdx, [rsi];  add rsi, 8;  mov rdi, [rax];  mov eax, 1 (write);  syscall
 #   1: mov edi, 1;  mov eax, 231 (exit_group);  syscall;  ud2
-_X86_64 = ("4863ff48b8{table}488b34f84885f67413488b164883c608bf02000000b8010000000f05"
+_X86_64 = ("4863ff48b8{table}488b34f84885f67411488b164883c608488b38b8010000000f05"
            "bf01000000b8e70000000f050f0b")
 _SA_ONSTACK, _SS_DISABLE = 0x08000000, 2
 _ALT_STACK = 64 * 1024  # the kernel's signal frame (up to ~12 KiB with AVX-512/AMX) and room
@@ -231,6 +253,7 @@ def _publish() -> None:
     if not _native:
         return
     table = _native.table
+    table[0] = console_stderr()
     for signum, line in _crash_lines.items():
         block = _blocks.get(line)
         if block is None:
