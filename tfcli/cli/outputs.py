@@ -109,6 +109,18 @@ def remove_pending() -> None:
     _PENDING.clear()
 
 
+def _pending(temp: Path, pending: bool = True) -> None:
+    """``temp`` is (or no longer is) a temporary file to remove if the run ends at once: a
+    second signal (remove_pending) or a crash in the model's code (its handler removes it)."""
+    from tfcli.subjects.contain import remove_on_crash
+
+    if pending:
+        _PENDING.add(temp)
+    else:
+        _PENDING.discard(temp)
+    remove_on_crash(temp, pending)
+
+
 def written_path(path: Path) -> Path:
     """The file a write to ``path`` replaces: the target of a symbolic link (renaming onto the
     link would replace the link with a regular file), else ``path`` itself."""
@@ -127,7 +139,7 @@ class AtomicFile:
         fd, name = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.",
                                     suffix=f".tmp{self.target.suffix}")
         self.temp = Path(name)
-        _PENDING.add(self.temp)
+        _pending(self.temp)
         os.close(fd)
         self._file: IO[str] | None = None
         self._newline = newline
@@ -137,7 +149,7 @@ class AtomicFile:
         """Another temporary file that the writer of ``temp`` (a library) may leave: removed
         with this one by :meth:`discard`, :meth:`commit` and :func:`remove_pending`."""
         self._also.append(temp)
-        _PENDING.add(temp)
+        _pending(temp)
 
     def _drop_also(self) -> None:
         for temp in self._also:
@@ -145,7 +157,7 @@ class AtomicFile:
                 os.unlink(temp)
             except OSError:
                 pass
-            _PENDING.discard(temp)
+            _pending(temp, False)
 
     def text(self) -> IO[str]:
         if self._file is None:
@@ -159,7 +171,7 @@ class AtomicFile:
                 else 0o666 & ~_umask())
         os.chmod(self.temp, mode)  # mkstemp makes 0600; keep the file's or the umask's
         os.replace(self.temp, self.target)
-        _PENDING.discard(self.temp)
+        _pending(self.temp, False)
         self._drop_also()
 
     def discard(self) -> None:
@@ -172,7 +184,7 @@ class AtomicFile:
             self.temp.unlink()
         except OSError:
             pass
-        _PENDING.discard(self.temp)
+        _pending(self.temp, False)
         self._drop_also()
 
 

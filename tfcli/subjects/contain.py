@@ -100,6 +100,11 @@ def _crashed(signum: int) -> None:
     try:
         os.write(console_stderr(), _crash_lines.get(signum)
                  or b"tfcli: the model crashed the process\n")
+        for path in list(_removals):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     finally:
         REAL_EXIT(1)
 
@@ -143,17 +148,25 @@ def _python_handler():
 
 
 # The native handler, x86-64 (assembled with GNU as, checked with objdump): edi holds the
-# signal's number; TABLE[signum] points at the line's length (8 bytes) and the line, and
-# TABLE[0] (no signal has number 0) holds the descriptor to write it to.
-#   movsxd rdi, edi;  movabs rax, TABLE;  mov rsi, [rax + rdi*8];  test rsi, rsi;  jz 1f
-#   mov rdx, [rsi];  add rsi, 8;  mov rdi, [rax];  mov eax, 1 (write);  syscall
-#   1: mov edi, 1;  mov eax, 231 (exit_group);  syscall;  ud2
-_X86_64 = ("4863ff48b8{table}488b34f84885f67411488b164883c608488b38b8010000000f05"
-           "bf01000000b8e70000000f050f0b")
+# signal's number; TABLE[signum] points at the line's length (8 bytes) and the line, TABLE[0]
+# (no signal has number 0) holds the descriptor to write it to, and TABLE[65] a NULL-ended
+# array of paths to remove (temporary outputs).
+#   movsxd rdi, edi;  movabs rbx, TABLE;  mov rsi, [rbx + rdi*8];  test rsi, rsi;  jz 1f
+#   mov rdx, [rsi];  add rsi, 8;  mov rdi, [rbx];  mov eax, 1 (write);  syscall
+#   1: mov r12, [rbx + 520];  test r12, r12;  jz 3f
+#   2: mov rdi, [r12];  test rdi, rdi;  jz 3f;  mov eax, 87 (unlink);  syscall;  add r12, 8
+#      jmp 2b
+#   3: mov edi, 1;  mov eax, 231 (exit_group);  syscall;  ud2
+_X86_64 = ("4863ff48bb{table}488b34fb4885f67411488b164883c608488b3bb8010000000f054c8ba308"
+           "0200004d85e47416498b3c244885ff740db8570000000f054983c408ebeabf01000000b8e700"
+           "00000f050f0b")
+_PATHS = 65  # the table's entry for the paths to remove
 _SA_ONSTACK, _SS_DISABLE = 0x08000000, 2
 _ALT_STACK = 64 * 1024  # the kernel's signal frame (up to ~12 KiB with AVX-512/AMX) and room
 _native = None  # a _Native once made; False where it cannot be had
 _blocks: dict[bytes, object] = {}  # line -> its (length, bytes) block, kept while pointed at
+_removals: set[bytes] = set()  # temporary outputs a crash removes (remove_on_crash)
+_arrays: list = []  # the array of them the native handler points at, and the one before
 
 
 class _Native(NamedTuple):
@@ -183,7 +196,7 @@ def _native_setup():
     mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                      ctypes.c_int, ctypes.c_long]
     mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    table = (ctypes.c_void_p * 65)()
+    table = (ctypes.c_void_p * (_PATHS + 1))()
     code = bytes.fromhex(_X86_64.format(
         table=ctypes.addressof(table).to_bytes(8, "little").hex()))
     page = 4096
@@ -260,6 +273,32 @@ def _publish() -> None:
             block = _blocks[line] = ctypes.create_string_buffer(
                 len(line).to_bytes(8, "little") + line)
         table[signum] = ctypes.addressof(block)
+    if not _arrays:
+        _publish_removals()
+
+
+def remove_on_crash(path, remove: bool = True) -> None:
+    """Remove ``path`` (a temporary output) if the process crashes from here on; with
+    ``remove=False``, no longer (it was renamed into place or removed)."""
+    full = os.fsencode(os.path.abspath(path))  # the model may change directory
+    if remove:
+        _removals.add(full)
+    else:
+        _removals.discard(full)
+    _publish_removals()
+
+
+def _publish_removals() -> None:
+    """Point the native handler at the paths to remove, as one 8-byte store; the array before
+    is kept too, for a crash in another thread that is reading it."""
+    import ctypes
+
+    if not _native:
+        return
+    paths = sorted(_removals)
+    array = (ctypes.c_char_p * (len(paths) + 1))(*paths, None)
+    _arrays[:] = [_arrays[-1] if _arrays else None, array]
+    _native.table[_PATHS] = ctypes.addressof(array)
 
 
 def _lines(stage: str) -> dict[int, bytes]:
