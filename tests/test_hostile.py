@@ -968,6 +968,22 @@ def test_stderr_past_a_file_size_limit_keeps_the_exit_code(tmp_path):
     assert (tmp_path / "err.log").read_bytes() == b"tfcli: err"  # as far as the limit let it
 
 
+def test_python_m_tfcli_imports_nothing_from_the_current_directory(tmp_path):
+    """Issue 25: `python -m tfcli` puts the current directory first on the import path, and a
+    json.py lying there was imported (and run) in place of the real json: `config` ran it,
+    `params --model mod:NAME` failed with an internal error. The ranks were fixed; the
+    process the user starts is now too."""
+    planted = "open(__file__ + '.ran', 'w').close()\nraise SystemExit('planted module imported')\n"
+    for name in ("json", "tomllib", "typing", "dataclasses"):
+        (tmp_path / f"{name}.py").write_text(planted)
+    result = subprocess.run([sys.executable, "-m", "tfcli", "config", "--preset", "tiny",
+                             "--json"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["config"]["d_model"] == 32
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ran") == []
+
+
 # --- torch itself cannot be loaded -------------------------------------------------------------
 
 
