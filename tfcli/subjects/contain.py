@@ -9,9 +9,9 @@ handlers run later, between bytecodes, and the faulting instruction would repeat
 handler must be a C function, and one that needs nothing of the process it is called in: a
 stack overflow leaves no stack to run on, a corrupt heap no ``malloc``, and a crash in a thread
 that does not hold the GIL no interpreter (the thread holding it may wait for the crashed one
-for ever). So the handler is nine machine instructions, ``write(2, line, length)`` then
-``exit_group(1)`` as two system calls, that read the line from a table tfcli fills in before
-the model runs; it runs on an alternate signal stack of its own (``sigaltstack``,
+for ever). So the handler is twenty machine instructions, system calls alone: ``write`` the
+line, ``unlink`` the temporary outputs, ``exit_group(1)``, all read from a table tfcli fills in
+before the model runs; it runs on an alternate signal stack of its own (``sigaltstack``,
 ``SA_ONSTACK``), as faulthandler's does. ctypes can give a signal a C function pointer, but
 only to a Python callback or to a library function, and no library function writes a line
 and exits; so the instructions are written into a page of their own, made executable
