@@ -2,8 +2,9 @@
 
 pytest-benchmark does not synchronise devices: every timed callable goes through ``synced``.
 Assertions here are on ratios measured in one run (machine-independent), never on absolute
-times. With --benchmark-disable each benchmark runs once as a smoke test and ratio assertions
-are skipped (reported as skipped), since one run is no measurement.
+times. With --benchmark-disable each benchmark runs once as a smoke test: ratio assertions are
+skipped (reported as skipped), since one run is no measurement, and so are the processes
+that only serve as a timing's baseline; memory bounds are still asserted.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def run_subprocess(args: list[str]) -> tuple[float, float]:
 def best_of(args: list[str], repeat: int) -> tuple[float, float]:
     runs = [run_subprocess(args) for _ in range(repeat)]
     return min(r[0] for r in runs), max(r[1] for r in runs)
+
+
+def baseline(args: list[str], repeat: int, measuring: bool) -> float | None:
+    """Seconds of a process that is only there to be subtracted from or divided into a
+    timing (``python -c "import torch"`` beside a command): None in a smoke run, which
+    asserts no timing and so does not start it."""
+    return best_of(args, repeat)[0] if measuring else None
 
 
 PYTHON = sys.executable
