@@ -477,7 +477,7 @@ def params(
         else:
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel, freeze=tuple(freeze or ()),
-                                                        loop=loop.value)
+                                                        loop=loop.value, device=device.value)
             how += f"; attention kernel: {assumed}, on {device.value}"
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
@@ -494,7 +494,7 @@ def params(
             memory += mem.training_step_lines(
                 subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
                 by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
-                recorder, impl, impl_why, tuple(freeze or ()), loop.value)
+                recorder, impl, impl_why, tuple(freeze or ()), loop.value, device.value)
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
                 written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {

@@ -196,7 +196,8 @@ def simulate_training_step(build: Callable[[], nn.Module],
     allocated (they are accounted for separately), computed on fake tensors. ``make_inputs``
     returns a dict of keyword arguments or an ``Inputs``. ``units`` (model -> modules) also
     splits the saved bytes by the unit whose forward saved them; ``loop`` (LOOPS) whether the
-    output is held through backward."""
+    output is held through backward; ``device`` ("cpu" or "cuda") whose code paths the CPU's
+    fake tensors follow (tfcli.inspection.cuda_replay)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.inspection.ops import OpObserver
@@ -218,12 +219,13 @@ def simulate_training_step(build: Callable[[], nn.Module],
         # Autograd accumulates into .grad in place only when nothing else references it:
         # keeping these references would make the replay take the out-of-place path.
         del existing
-        amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
+        amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         blocks = units(model) if units is not None else []
         unit_inputs = [0] * len(blocks)
         handles = _unit_hooks(blocks, saved, unit_inputs)
-        with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                _as_device(device):
             try:
                 with running(model, during=REPLAY), amp, attention_kernel(kernel), \
                         OpObserver(saved.on_op):
@@ -241,6 +243,16 @@ def simulate_training_step(build: Callable[[], nn.Module],
                 out.backward()
             del out
     return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held)
+
+
+def _as_device(device: str):
+    """The CPU's fake tensors keep what ``device`` keeps: CUDA's autocast policy and dropout
+    for "cuda" (tfcli.inspection.cuda_replay), the CPU's own for "cpu"."""
+    if device == "cuda":
+        from tfcli.inspection.cuda_replay import as_cuda
+
+        return as_cuda()
+    return contextlib.nullcontext()
 
 
 # --- the attention kernel a replay assumes -----------------------------------------------------
@@ -373,7 +385,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
     state, inputs (and kept gradients), which exist before the step; ``loop`` (LOOPS): the
     model's output freed before backward, or held until the step ends. Replayed on fake
     tensors: nothing is allocated. ``timeline``: a tfcli.inspection.timeline.TimelineRecorder that
-    records every allocation and free."""
+    records every allocation and free; ``device``: as simulate_training_step's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tfcli.subjects.base import Inputs
@@ -395,9 +407,9 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         live = _LiveStorages(existing) if timeline is None else \
             timeline.start(existing, model, opt, inputs.tensors())
         del existing, state
-        amp = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype is not None
+        amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        with live:
+        with live, _as_device(device):
             with running(model, during=REPLAY), amp, attention_kernel(kernel):
                 output = inputs(model)
                 out = loss(output)
@@ -591,25 +603,26 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
                          mixed: str | None = None, kernel: str = "auto",
                          units: Callable[[nn.Module], list[nn.Module]] | None = None,
                          freeze: tuple[str, ...] = (),
-                         loop: str = "loss-only") -> tuple[ActivationEstimate, str]:
+                         loop: str = "loss-only",
+                         device: str = "cpu") -> tuple[ActivationEstimate, str]:
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
     and a line saying how it was found; ``units``: see simulate_training_step; ``freeze``:
-    --freeze's patterns; ``loop``: LOOPS."""
+    --freeze's patterns; ``loop``: LOOPS; ``device``: whose code paths (cpu, cuda)."""
     if units is None and _remembers(subject):
         estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype,
                                     mixed=mixed, kernel=kernel, freeze=tuple(freeze),
-                                    loop=loop)
+                                    loop=loop, device=device)
         return replace(estimate, saved_bytes=dict(estimate.saved_bytes)), how
     return _replay_activations(subject, sizes, dtype, mixed, kernel, units, tuple(freeze),
-                               loop)
+                               loop, device)
 
 
 def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze=(),
-                        loop="loss-only"):
+                        loop="loss-only", device="cpu"):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
-                                      kernel=kernel, units=units, loop=loop)
+                                      device=device, kernel=kernel, units=units, loop=loop)
     how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
            f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
            + (f", {', '.join(freeze)} frozen" if freeze else "")
@@ -621,31 +634,36 @@ def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                        optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                        timeline=None, optimizer_impl: str = "for-loop",
-                       freeze: tuple[str, ...] = (), loop: str = "loss-only") -> int:
+                       freeze: tuple[str, ...] = (), loop: str = "loss-only",
+                       device: str = "cpu") -> int:
     return estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                         optimizer_impl, freeze, loop).peak
+                         optimizer_impl, freeze, loop, device).peak
 
 
 def estimate_step(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                   optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                   timeline=None, optimizer_impl: str = "for-loop",
-                  freeze: tuple[str, ...] = (), loop: str = "loss-only") -> StepReplay:
+                  freeze: tuple[str, ...] = (), loop: str = "loss-only",
+                  device: str = "cpu") -> StepReplay:
     """The replayed step (see simulate_step) of ``subject`` at ``sizes``; ``freeze``:
-    --freeze's patterns; ``loop``: LOOPS."""
+    --freeze's patterns; ``loop``: LOOPS; ``device``: whose code paths (cpu, cuda)."""
     if timeline is None and _remembers(subject):
         return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
                            optimizer=optimizer, kernel=kernel, keep_grads=keep_grads,
-                           optimizer_impl=optimizer_impl, freeze=tuple(freeze), loop=loop)
+                           optimizer_impl=optimizer_impl, freeze=tuple(freeze), loop=loop,
+                           device=device)
     return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                        optimizer_impl, timeline, tuple(freeze), loop)
+                        optimizer_impl, timeline, tuple(freeze), loop, device)
 
 
 def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                 optimizer_impl="for-loop", timeline=None, freeze=(), loop="loss-only"):
+                 optimizer_impl="for-loop", timeline=None, freeze=(), loop="loss-only",
+                 device="cpu"):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
-                         DTYPES[mixed] if mixed else None, kernel=kernel, keep_grads=keep_grads,
-                         timeline=timeline, optimizer_impl=optimizer_impl, loop=loop)
+                         DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
+                         keep_grads=keep_grads, timeline=timeline,
+                         optimizer_impl=optimizer_impl, loop=loop)
 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
@@ -701,13 +719,13 @@ def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str |
                         optimizer: str, kernel: str, keep_grads: bool, resident: int,
                         grads: int, timeline=None, optimizer_impl: str = "for-loop",
                         impl_why: str = "", freeze: tuple[str, ...] = (),
-                        loop: str = "loss-only") -> list[MemoryLine]:
+                        loop: str = "loss-only", device: str = "cpu") -> list[MemoryLine]:
     """The optimizer step's temporaries and the peak of one steady-state training step: what
     exists before it (weights, buffers, optimizer state, kept gradients) plus the replayed
     step's own peak above that; ``timeline`` (a TimelineRecorder) records the same replay's
     events; ``impl_why`` says where ``optimizer_impl`` came from; ``loop``: LOOPS."""
     step = estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                         optimizer_impl, freeze, loop)
+                         optimizer_impl, freeze, loop, device)
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
