@@ -76,6 +76,46 @@ def test_total_and_active_parameters(cli, moe_configs, name):
         assert all(e["shared"] for e in data["experts"])
 
 
+# The released models' config.json fields that decide their parameters (copied from the
+# published files; rope scaling and token ids left out: they hold no parameters), with the
+# totals their authors announced, in billions: (total, active per token, digits they round to).
+PUBLISHED = {
+    "mixtral-8x7b": (dict(  # Mistral AI, "Mixtral of experts": 46.7B total, 12.9B per token
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+        intermediate_size=14336, max_position_embeddings=32768, num_attention_heads=32,
+        num_key_value_heads=8, num_hidden_layers=32, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False, vocab_size=32000),
+        46.7, 12.9, 1),
+    "qwen1.5-moe-a2.7b": (dict(  # Qwen, "Qwen1.5-MoE": 14.3B total, 2.7B activated
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048,
+        intermediate_size=5632, max_position_embeddings=8192, num_attention_heads=16,
+        num_key_value_heads=16, num_hidden_layers=24, decoder_sparse_step=1,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+        num_experts_per_tok=4, tie_word_embeddings=False, vocab_size=151936),
+        14.3, 2.7, 1),
+    "deepseek-v2": (dict(  # DeepSeek-AI 2024, DeepSeek-V2 abstract: 236B total, 21B per token
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=5120,
+        intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=160,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+        n_group=8, topk_group=3, topk_method="group_limited_greedy",
+        max_position_embeddings=163840, tie_word_embeddings=False, vocab_size=102400),
+        236, 21, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_total_and_active_parameters_equal_the_published_figures(cli, tmp_path, name):
+    """Built on meta from the released configuration: both counts round to the figures the
+    model's authors published (shared experts are always active; a dense first layer too)."""
+    config, total, active, digits = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    data = run_json(cli, "params", "--model", f"hf:{tmp_path}")
+    assert round(data["total_params"] / 1e9, digits) == total
+    assert round(data["active_params"] / 1e9, digits) == active
+
+
 def test_params_table_shows_active_parameters_and_one_line_per_kind_of_moe_layer(
         cli, moe_configs):
     result = cli("params", "--model", f"hf:{moe_configs['mixtral']}", "--depth", "4",
