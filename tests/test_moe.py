@@ -326,6 +326,67 @@ class Block(nn.Module):
 """
 
 
+LISTED = """import torch
+from torch import nn
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class MoE(nn.Module):
+    # every expert runs; the top-k gates weigh them (a dense MoE: it runs on meta)
+    def __init__(self, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+    def forward(self, x):
+        weights = self.router(x).softmax(-1)
+        kept = weights.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(weights).scatter(-1, kept.indices, kept.values)
+        return sum(gates[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
+class Model(nn.Module):
+    def __init__(self, top_k=2):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(MoE(top_k) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+"""
+
+
+@pytest.fixture(scope="module")
+def listed_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("listed") / "listed.py"
+    path.write_text(LISTED)
+    return f"{path}:Model"
+
+
+def test_experts_kept_in_a_module_list_are_found_with_k_from_their_block(cli, listed_model):
+    """A hand-written MoE (a ModuleList of expert modules, top_k on the block): each layer
+    holds 4 experts of 8·16 + 16 + 16·8 + 8 parameters, and a token meets 2 of them."""
+    data = run_json(cli, "params", "--model", listed_model)
+    expert = 8 * 16 + 16 + 16 * 8 + 8
+    total = 10 * 8 + 2 * (4 * 8 + 4 * expert)
+    assert data["total_params"] == total
+    assert data["active_params"] == total - 2 * (4 - 2) * expert
+    assert [(e["path"], e["experts"], e["top_k"], e["layout"]) for e in data["experts"]] == [
+        (f"layers.{i}.experts", 4, 2, "list") for i in range(2)]
+
+
 def test_any_model_with_stacked_experts_gets_active_parameters_or_says_k_is_unknown(
         cli, tmp_path):
     """Experts are found by what they are made of (num_experts and [E, ...] parameters), k by

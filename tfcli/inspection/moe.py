@@ -6,6 +6,10 @@ Experts are recognised by what they are made of, in any model: a module with an 
 layout Transformers' MoE models share: ``gate_up_proj [E, 2·d_ff, d_model]``,
 ``down_proj [E, d_model, d_ff]``). Each token is sent to ``k`` of the ``E`` experts, named by
 a sibling router with ``top_k`` (or the block's own ``top_k``, or the configuration).
+Experts kept as modules of their own (Transformers 4, most hand-written MoE layers) are found
+too: an ``nn.ModuleList`` named ``*experts*`` of two or more modules of one class with the
+same parameter shapes; k from a sibling router or the block (``top_k``,
+``num_experts_per_tok``).
 
 Routing reads values; meta and fake tensors hold none. Where it cannot be read, tfcli assumes
 it uniform: the ``B·L·k`` (token, expert) slots are split as evenly as integers allow, each
@@ -37,6 +41,7 @@ class Experts:
     params: int  # all E experts
     router: str | None = None  # the sibling that picks the experts
     shared: list[str] = field(default_factory=list)  # siblings every token goes through
+    layout: str = "stacked"  # stacked: [E, ...] parameters; list: a ModuleList of E modules
 
     @property
     def per_expert(self) -> int:
@@ -53,31 +58,56 @@ class Experts:
 
 
 SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+TOP_K_NAMES = ("top_k", "num_experts_per_tok", "topk")
+
+
+def _top_k(module) -> int | None:
+    for name in TOP_K_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def is_expert_list(name: str, module: nn.Module) -> bool:
+    """Experts as modules of their own: a ModuleList named ``*experts*`` (not a shared
+    expert) of two or more modules of one class with the same parameter shapes."""
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or "expert" not in name.lower() \
+            or "shared" in name.lower():
+        return False
+    shapes = [[tuple(p.shape) for p in m.parameters()] for m in module]
+    return bool(shapes[0]) and all(type(m) is type(module[0]) for m in module) \
+        and all(s == shapes[0] for s in shapes)
 
 
 def find_experts(model: nn.Module, default_top_k: int | None = None) -> list[Experts]:
-    """Every stacked-experts module in ``model``, with its router and shared experts."""
+    """Every layer of experts in ``model`` (stacked, or a ModuleList of expert modules), with
+    its router and shared experts."""
     modules = dict(model.named_modules())
     out = []
     for path, module in modules.items():
-        if not is_stacked_experts(module):
+        name = path.rpartition(".")[2]
+        stacked = is_stacked_experts(module)
+        if not stacked and not is_expert_list(name, module):
             continue
+        count = module.num_experts if stacked else len(module)
         parent_path = path.rpartition(".")[0]
         parent = modules.get(parent_path)
         siblings = dict(parent.named_children()) if parent is not None else {}
-        router = next((name for name, m in siblings.items() if m is not module
-                       and isinstance(getattr(m, "top_k", None), int)
-                       and getattr(m, "num_experts", module.num_experts) == module.num_experts),
-                      None)
-        top_k = getattr(siblings[router], "top_k") if router else getattr(parent, "top_k", None)
-        if not isinstance(top_k, int) or isinstance(top_k, bool):
+        router = next((sibling for sibling, m in siblings.items() if m is not module
+                       and _top_k(m) is not None
+                       and getattr(m, "num_experts", count) == count), None)
+        top_k = _top_k(siblings[router]) if router else _top_k(parent)
+        if top_k is None:
             top_k = default_top_k
         prefix = f"{parent_path}." if parent_path else ""
         out.append(Experts(
-            path, type(module).__name__, module.num_experts, top_k,
+            path, type(module).__name__ if stacked else
+            f"ModuleList of {type(module[0]).__name__}", count, top_k,
             sum(p.numel() for p in module.parameters()),
             router=prefix + router if router else None,
-            shared=[prefix + name for name in siblings if name in SHARED_NAMES]))
+            shared=[prefix + s for s in siblings if s in SHARED_NAMES],
+            layout="stacked" if stacked else "list"))
     return out
 
 
