@@ -144,8 +144,8 @@ def _rank_timeline(v) -> str | None:
     if v.parallel is None:
         return f"{wanted}; add --parallel dp=N,zero=3, or drop {v.per_rank}"
     par = parse_parallel(v.parallel)
-    if par.zero != 3 or par.tp > 1 or par.pp > 1 or par.cp > 1:
-        return f"{wanted}; DDP, ZeRO-1/2, tp, pp and cp are not drawn yet"
+    if par.zero != 3 or par.tp > 1 or par.pp > 1 or par.cp > 1 or par.ep > 1:
+        return f"{wanted}; DDP, ZeRO-1/2, tp, pp, cp and ep are not drawn yet"
     for option, value in (("--fit", v.fit_), ("--micro-batches", v.micro_batches),
                           ("--checkpointing", v.checkpointing)):
         if value is not None:
@@ -309,9 +309,10 @@ def params(
              "that cannot be built on meta.")] = BuildDevice.meta,
     max_memory: MaxMemoryOpt = None,
     parallel: Annotated[Optional[str], typer.Option(
-        metavar="dp=N,zero=0-3,tp=T,pp=P,cp=C", show_default=False,
-        help="Memory per rank under data (ZeRO/FSDP), tensor (+sequence), pipeline and context "
-             "parallelism, e.g. dp=8,zero=3,tp=2.")] = None,
+        metavar="dp=N,zero=0-3,tp=T,pp=P,cp=C,ep=E", show_default=False,
+        help="Memory per rank under data (ZeRO/FSDP), tensor (+sequence), pipeline, context "
+             "and expert parallelism (ep: experts split over E of the dp ranks, --model with "
+             "experts), e.g. dp=8,zero=3,tp=2.")] = None,
     checkpointing: Annotated[Optional[Checkpointing], typer.Option(
         show_default=False, help="Activation recomputation for the per-rank plan (default "
                                  "none).")] = None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tfcli.errors import TfcliError, did_you_mean
 from tfcli.model.config import Config
 
-_KEYS = ("dp", "zero", "tp", "pp", "cp", "sp")
+_KEYS = ("dp", "zero", "tp", "pp", "cp", "sp", "ep")
 
 
 @dataclass
@@ -36,6 +36,9 @@ class Parallel:
     pp: int = 1  # pipeline stages P
     cp: int = 1  # context-parallel ranks C (the sequence is split C ways)
     sp: bool = True  # sequence parallelism beside tensor parallelism (Megatron-LM's default pairing)
+    # expert-parallel ranks: each MoE layer's experts split ep ways within the data-parallel
+    # ranks (DeepSpeed-MoE's ep_size, Megatron-LM's expert-model-parallel size): not more ranks
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -49,11 +52,13 @@ class Parallel:
 
     def text(self) -> str:
         out = f"dp={self.dp},zero={self.zero},tp={self.tp},pp={self.pp},cp={self.cp}"
-        return out + (f",sp={int(self.sp)}" if self.tp > 1 else "")
+        return (out + (f",sp={int(self.sp)}" if self.tp > 1 else "")
+                + (f",ep={self.ep}" if self.ep > 1 else ""))
 
 
 def parse_parallel(text: str) -> Parallel:
-    """``dp=8,zero=3,tp=2`` (any subset of dp, zero, tp, pp, cp, sp; the rest 1, zero 0, sp 1)."""
+    """``dp=8,zero=3,tp=2`` (any subset of dp, zero, tp, pp, cp, sp, ep; the rest 1, zero 0,
+    sp 1)."""
     values: dict[str, int] = {}
     if not text.replace(",", "").strip():
         raise TfcliError(f"--parallel {text!r}: give key=value items, e.g. --parallel "
@@ -87,6 +92,11 @@ def parse_parallel(text: str) -> Parallel:
     if "sp" in values and values.get("tp", 1) == 1:
         raise TfcliError(f"--parallel: sp={values['sp']} applies with tp > 1 (sequence "
                          f"parallelism splits what tensor parallelism leaves replicated)")
+    ep, dp = values.get("ep", 1), values.get("dp", 1)
+    if dp % ep:
+        raise TfcliError(f"--parallel: ep={ep} needs dp a multiple of {ep}, not dp={dp}: "
+                         f"expert parallelism splits the experts over ep of the data-parallel "
+                         f"ranks, e.g. dp={ep * -(-dp // ep)},ep={ep}")
     values["sp"] = bool(values.get("sp", 1))
     return Parallel(**values)
 

@@ -158,6 +158,10 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     (tfcli.parallel.precision) every line follows."""
     if checkpointing not in CHECKPOINTING:
         raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: {', '.join(CHECKPOINTING)}")
+    if par.ep > 1:
+        raise TfcliError(f"--parallel ep={par.ep}: tfcli's own model has no experts to split "
+                         f"(expert parallelism is computed for a --model with mixture-of-experts "
+                         f"layers, e.g. hf: Mixtral, Qwen2-MoE, DeepSeek); drop ep")
     pol = policy(precision, dtype, mixed, optimizer_states)
     check_stage(pol, par.zero)
     m = micro_batches if micro_batches is not None else par.pp

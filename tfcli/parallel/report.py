@@ -91,6 +91,9 @@ def stated_states(psi: int, parallel: str, precision: str, dtype: str, mixed: st
     from tfcli.parallel.precision import check_stage
 
     par = parse_parallel(parallel)
+    if par.ep > 1:
+        raise TfcliError(f"--parallel ep={par.ep} with --param-count: a stated size has no "
+                         f"experts to split; give the model (--model) instead")
     pol = policy(precision, dtype, mixed, optimizer_states)
     check_stage(pol, par.zero)
     n = par.shard
@@ -165,6 +168,13 @@ def render(data: dict, console) -> None:
                      f"{cond['sharded_over']}): " + ", ".join(
                          f"ZeRO-{row['zero']} {row['bytes'] / 1e9:.3g} GB"
                          f" ({human_bytes(row['bytes'])})" for row in cond["model_states_by_zero"]))
+    if cond.get("expert_parallel"):
+        moe = cond["expert_parallel"]
+        notes.append(f"expert parallel: ep={moe['ep']} of the {par['dp']} data-parallel ranks; "
+                     f"each holds {'/'.join(map(str, moe['experts_per_rank']))} of "
+                     f"{'/'.join(map(str, moe['experts']))} experts in each of "
+                     f"{moe['moe_layers']} MoE layers, sharded over the {par['dp'] // moe['ep']} "
+                     f"rank(s) holding the same ones; routing {moe['routing']}")
     if cond.get("wrap_units"):  # a --model, traced from its built module tree
         notes.append(f"parameters: {cond['model_states_from']}; FSDP units: "
                      f"{cond['wrap_units']}")

@@ -15,6 +15,10 @@ replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.pl
   replay's peak less the units' saved bytes. Checkpointing is per unit: ``full`` keeps each
   unit's input and recomputes one unit at a time; ``selective`` drops the attention matrices.
 
+- Expert parallelism (``ep``, :mod:`tfcli.parallel.experts`): each rank holds E/ep of every
+  MoE layer's experts, sharded over the dp/ep ranks holding the same ones, and one MoE
+  layer's all-to-all dispatch and combine buffers.
+
 Tensor, pipeline and context parallelism split matrices, layers and sequences that only tfcli's
 own configuration describes so far: refused here in one line.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 
 from tfcli.errors import TfcliError
+from tfcli.parallel.experts import ExpertLayout
 from tfcli.parallel.layout import Line, Parallel
 from tfcli.parallel.plan import CHECKPOINTING, Plan, step_peak
 from tfcli.parallel.precision import Policy, check_stage, policy, state_parts
@@ -57,6 +62,7 @@ class TracedModel:
             # DeepSpeed ZeRO-3's unit: the most parameters one module holds itself
             self.largest_module = max(sum(p.numel() for p in m.parameters(recurse=False))
                                       for m in model.modules())
+            self.experts = ExpertLayout.of(model, self.units, subject)  # None: no MoE
         groups = [*self.units.groups, self.units.root]
         self.numel = sum(g.numel for g in groups)
         self.trainable = sum(g.trainable for g in groups)
@@ -84,13 +90,14 @@ class TracedModel:
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
         loop the replay assumes (tfcli.inspection.memory.LOOPS)."""
         refuse_model_splits(par)
+        ep = self._expert_parallel(par)
         if checkpointing not in CHECKPOINTING:
             raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
                              f"{', '.join(CHECKPOINTING)}")
         sb = policy(precision, dtype, mixed, optimizer_states)
         n, zero = par.shard, par.zero
         check_stage(sb, zero)
-        lines = self._state_lines(n, zero, sb)
+        lines = self._state_lines(n, zero, sb, ep)
         if self.buffer_numel:
             # cast with the model (deepspeed, megatron: model.half()), not by FSDP's policy
             per = sb.weights if sb.name in ("autocast", "fsdp-mixed") else 2
@@ -98,14 +105,19 @@ class TracedModel:
                               f"{sb.tag()} {self.buffer_numel:,} elements × {per} B, on every "
                               f"rank (FSDP and ZeRO shard parameters, not buffers)",
                               precision=sb.name))
-        lines += self._communication_lines(n, zero, sb)
+        lines += self._communication_lines(n, zero, sb, ep)
         peak, how, per_unit = None, None, 0
         if sizes is not None:
             estimate, how = self.replay(tuple(sorted(sizes.items())), sb.run_dtype,
                                         sb.autocast, kernel, loop)
             act, per_unit = self._activation_lines(estimate, checkpointing)
+            if ep > 1:
+                lines.append(self.experts.all_to_all(self.subject.tokens(sizes), ep,
+                                                     sb.residual, sb.tag()))
+                how += (f"; ep={ep}: routing uniform, each rank's E/{ep} experts process "
+                        f"the B·L·k token slots it receives, as many as in the replay")
             lines += act
-            peak = self._peak(lines, per_unit, n, zero, sb)
+            peak = self._peak(lines, per_unit, n, zero, sb, ep)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
                       "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
@@ -113,9 +125,10 @@ class TracedModel:
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
                       "activations": how, "loop": loop if sizes is not None else None,
                       "wrap_units": self.units.how,
+                      "expert_parallel": self._expert_record(ep),
                       "model_states_by_zero": [
                           {"zero": z, "bytes": sum(line.bytes
-                                                   for line in self._state_lines(n, z, sb))}
+                                                   for line in self._state_lines(n, z, sb, ep))}
                           for z in range(4)],
                       "model_states_from": f"the built model: {self.numel:,} parameters "
                                            f"({self.trainable:,} trainable)"}
@@ -124,33 +137,78 @@ class TracedModel:
 
     # --- the lines ------------------------------------------------------------------------
 
-    def _state_lines(self, n: int, zero: int, sb: Policy) -> list[Line]:
-        def share(part, numel: int, shapes, of: str) -> Line:
+    def _expert_parallel(self, par: Parallel) -> int:
+        """ep, checked against the model's experts."""
+        if par.ep > 1 and self.experts is None:
+            raise TfcliError(f"--parallel ep={par.ep}: the model has no experts to split (no "
+                             f"module with an integer num_experts and [E, ...] parameters, no "
+                             f"ModuleList named *experts*); drop ep")
+        if par.ep > 1:
+            self.experts.check(par.ep)
+        return par.ep
+
+    def _expert_record(self, ep: int) -> dict | None:
+        if ep == 1:
+            return None
+        layers = self.experts.layers
+        return {"ep": ep, "moe_layers": len(layers),
+                "experts_per_rank": sorted({x.experts // ep for x in layers}),
+                "experts": sorted({x.experts for x in layers}),
+                "routing": "assumed uniform: each rank receives as many token slots as it sends"}
+
+    def _holdings(self, n: int, ep: int) -> list:
+        from tfcli.parallel.experts import Holding
+
+        if ep > 1:
+            return self.experts.holdings(n, ep)
+        return [Holding("", self.numel, self.trainable, tuple(self.shapes),
+                        tuple(self.trainable_shapes), n)]
+
+    def _state_lines(self, n: int, zero: int, sb: Policy, ep: int = 1) -> list[Line]:
+        holdings = self._holdings(n, ep)
+        numel = sum(h.numel for h in holdings)
+        trainable = sum(h.trainable for h in holdings)
+
+        def split(sharded: bool, trainable_only: bool) -> str:
+            if ep == 1:
+                return ""
+            parts = [f"{h.trainable if trainable_only else h.numel:,} {h.what}"
+                     + (f" split {h.shard_over} way(s)" if sharded else "") for h in holdings]
+            return (f"; the rank holds E/{ep} of each MoE layer's experts: {', '.join(parts)}"
+                    + (" (the experts over the ranks that hold the same ones)" if sharded
+                       else ""))
+
+        def share(part, total: int, trainable_only: bool, of: str) -> Line:
             what, per = f"{sb.tag()} {part.what}", part.per_param
             if zero >= part.sharded_from and n > 1:
-                local = shard_numel(shapes, n)
+                local = sum(shard_numel(h.trainable_shapes if trainable_only else h.shapes,
+                                        h.shard_over) for h in holdings)
+                ways = f" {n} ways" if ep == 1 else ""
                 return Line(part.name, local * per,
-                            f"{what}: {per} B × {local:,} of {numel:,} {of} (ZeRO-{zero}: each "
-                            f"parameter's rows split {n} ways, as FSDP2 shards)",
-                            precision=sb.name)
-            return Line(part.name, numel * per, f"{what}: {per} B × {numel:,} {of}"
-                        + (" (replicated)" if n > 1 else ""), precision=sb.name)
+                            f"{what}: {per} B × {local:,} of {total:,} {of} (ZeRO-{zero}: each "
+                            f"parameter's rows split{ways}, as FSDP2 shards"
+                            + split(True, trainable_only) + ")", precision=sb.name)
+            return Line(part.name, total * per, f"{what}: {per} B × {total:,} {of}"
+                        + (" (replicated)" if n > 1 and ep == 1 else "")
+                        + (f" ({split(False, trainable_only)[2:]})" if ep > 1 else ""),
+                        precision=sb.name)
 
-        frozen = self.numel - self.trainable
+        frozen = numel - trainable
         lines = []
         for part in state_parts(sb, zero):
             if part.name == "weights":
-                lines.append(share(part, self.numel, self.shapes, "parameters"))
+                lines.append(share(part, numel, False, "parameters"))
                 if frozen:
                     lines[-1].how += f"; {frozen:,} frozen: no gradients or optimizer state"
             else:
-                lines.append(share(part, self.trainable, self.trainable_shapes, "trainable"))
+                lines.append(share(part, trainable, True, "trainable"))
         return lines
 
-    def _communication_lines(self, n: int, zero: int, sb: Policy) -> list[Line]:
-        units, out, tag, g = self.units, [], sb.tag(), sb.gathered
+    def _communication_lines(self, n: int, zero: int, sb: Policy, ep: int = 1) -> list[Line]:
+        units = self.experts.rank_units(ep) if ep > 1 else self.units
+        out, tag, g = [], sb.tag(), sb.gathered
         if zero == 3 and sb.name == "deepspeed":
-            module = self.largest_module
+            module = self.experts.largest_module(ep) if ep > 1 else self.largest_module
             return [Line("unsharded parameters", module * g,
                          f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it "
                          f"runs: the largest module ({module:,}) × {g} B; prefetch "
@@ -178,7 +236,8 @@ class TracedModel:
                      "communication", sb.name),
             ]
         elif zero == 0 and n > 1:
-            copy = 0 if sb.name == "megatron" else self.trainable * sb.grads
+            trainable = sum(h.trainable for h in self._holdings(n, ep))
+            copy = 0 if sb.name == "megatron" else trainable * sb.grads
             out.append(Line("DDP gradient buckets", copy,
                             f"{tag} " + ("Megatron's DDP all-reduces the contiguous main-"
                                          "gradient buffer in place: no second copy" if not copy
@@ -222,7 +281,8 @@ class TracedModel:
                         "activations"))
         return out, max(kept, default=0)
 
-    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: Policy):
+    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: Policy,
+              ep: int = 1):
         """The step's moments. Without FSDP, tfcli.parallel.plan.step_peak's. With it
         (FSDP2's default: the root gathered from forward to backward, the layer units
         resharded after their forward), the loss's backward runs with the root alone
@@ -233,7 +293,8 @@ class TracedModel:
         from tfcli.parallel.plan import Peak
 
         peak = step_peak(lines, per_unit, False)
-        largest = self.units.largest
+        units = self.experts.rank_units(ep) if ep > 1 else self.units
+        largest = units.largest
         if zero != 3:
             return peak
         by = {line.name: line.bytes for line in lines}
@@ -242,9 +303,14 @@ class TracedModel:
         activations = by["activations: layers"] + by["activations: outside the units"]
         extra = by.get("activations: recomputed layer", 0)
         deepspeed = sb.name == "deepspeed"  # module units, no root kept gathered
-        root = 0 if deepspeed else self.units.root.numel * sb.gathered
+        root = 0 if deepspeed else units.root.numel * sb.gathered
         gathered = by["unsharded parameters"] + by.get("all-gather buffer", 0)
-        unit_numel = self.largest_module if deepspeed else largest.trainable if largest else 0
+        module = self.experts.largest_module(ep) if ep > 1 else self.largest_module
+        unit_numel = module if deepspeed else largest.trainable if largest else 0
+        unit_shard = 0
+        if largest and not deepspeed:
+            unit_shard = (self.experts.unit_shard(largest, n, ep) if ep > 1
+                          else shard_numel(largest.trainable_shapes, n))
         unit_grads = unit_numel * sb.unit_grads
         moments = {
             "loss backward": states + root + activations + by[WORKING],
@@ -253,8 +319,7 @@ class TracedModel:
             "inside backward (FSDP)": (states + gathered + activations + extra
                                        - min(per_unit, by["activations: layers"]) + unit_grads
                                        + by.get("reduce-scatter buffer", 0)
-                                       + (shard_numel(largest.trainable_shapes, n) * sb.grads
-                                          if largest and not deepspeed else 0)),
+                                       + unit_shard * sb.grads),
             "backward end": peak.moments["backward end"]}
         moment = max(moments, key=moments.__getitem__)
         how = ("the largest of these moments of a step with zero_grad(set_to_none=True), "
