@@ -401,3 +401,80 @@ def test_any_model_with_stacked_experts_gets_active_parameters_or_says_k_is_unkn
     unknown = cli("params", "--model", f"{path}:Block", "--model-arg", "top_k=None")
     assert unknown.exit_code == 0, unknown.stderr
     assert "active per token      unknown" in unknown.stdout
+
+
+# --- expert parallelism: --parallel dp=N,ep=E ------------------------------------------------
+
+
+def _rank_shards(model, dp: int, ep: int, zero3: bool) -> tuple[int, int]:
+    """Rank 0's parameter elements under expert parallelism, from the model's own parameters
+    and torch.chunk (how FSDP2 splits a parameter's rows): the experts' first E/ep slices
+    (stacked) or modules (a list), split over the dp/ep ranks holding the same experts; every
+    other parameter split over the dp ranks. (elements, of which in the experts)"""
+    total = experts = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "experts":
+            held = (list(module.parameters(recurse=False)) if len(module._parameters) else
+                    [p for m in module[:len(module) // ep] for p in m.parameters()])
+            for p in held:
+                local = p[:p.shape[0] // ep] if len(module._parameters) else p
+                n = torch.chunk(local, dp // ep)[0].numel() if zero3 else local.numel()
+                total, experts = total + n, experts + n
+        elif ".experts." not in f"{name}.":
+            for p in module.parameters(recurse=False):
+                total += torch.chunk(p, dp)[0].numel() if zero3 else p.numel()
+    return total, experts
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_expert_parallel_rank_holds_its_experts_sharded_over_the_ranks_holding_them(
+        cli, moe_configs, zero):
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config_of("mixtral"))
+    expected, _ = _rank_shards(model, 8, 4, zero == 3)
+    data = run_json(cli, "params", "--model", f"hf:{moe_configs['mixtral']}", "--parallel",
+                    f"dp=8,zero={zero},ep=4", "--seq-len", "16", "--batch-size", "2")
+    lines = {m["name"]: m["bytes"] for m in data["memory"]}
+    assert lines["weights"] == 4 * expected and lines["optimizer state"] == 8 * expected
+    # one MoE layer's dispatch and combine: B·L·k token vectors of hidden_size, fp32, each way
+    assert lines["all-to-all buffers"] == 2 * (2 * 16 * 2) * 64 * 4
+    assert data["conditions"]["expert_parallel"]["experts_per_rank"] == [2]
+    assert data["peak"]["bytes"] >= sum(lines[k] for k in ("weights", "optimizer state"))
+
+
+def test_expert_parallel_splits_a_module_list_of_experts(cli, listed_model):
+    import importlib.util
+
+    path = listed_model.rpartition(":")[0]
+    spec = importlib.util.spec_from_file_location("listed_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    expected, experts = _rank_shards(module.Model(), 4, 2, True)
+    data = run_json(cli, "params", "--model", listed_model, "--input", "ids=int64[B,L]",
+                    "--parallel", "dp=4,zero=3,ep=2", "--seq-len", "8", "--batch-size", "2")
+    lines = {m["name"]: m["bytes"] for m in data["memory"]}
+    assert experts > 0 and lines["weights"] == 4 * expected
+    assert lines["all-to-all buffers"] == 2 * (2 * 8 * 2) * 8 * 4  # k=2, d_model 8
+
+
+@pytest.mark.parametrize("model, parallel, message", [
+    ("mixtral", "dp=6,ep=3", "ep=3: model.layers.0.mlp.experts has 8 experts, not divisible"),
+    ("mixtral", "dp=4,ep=8", "ep=8 needs dp a multiple of 8, not dp=4"),
+    ("dense", "dp=2,ep=2", "the model has no experts to split"),
+    ("preset", "dp=2,ep=2", "tfcli's own model has no experts to split"),
+    ("count", "dp=2,ep=2", "a stated size has no experts to split"),
+])
+def test_expert_parallel_refusals_are_one_line(cli, moe_configs, tmp_path, model, parallel,
+                                               message):
+    if model == "dense":  # a user module without experts
+        (tmp_path / "dense.py").write_text(
+            "from torch import nn\n"
+            "def build():\n    return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))\n")
+        subject = ["--model", f"{tmp_path / 'dense.py'}:build", "--input", "x=int64[B,L]"]
+    else:
+        subject = {"mixtral": ["--model", f"hf:{moe_configs['mixtral']}"],
+                   "preset": ["--preset", "tiny"], "count": ["--param-count", "7e9"]}[model]
+    result = cli("params", *subject, "--parallel", parallel)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("tfcli: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1
