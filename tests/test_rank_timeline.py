@@ -112,8 +112,9 @@ def test_rank_html_draws_fsdps_categories_from_nowhere(rank_tracked):
 
 
 @pytest.mark.parametrize("args,words", [
-    (("--parallel", "dp=2,zero=2"), "DDP, ZeRO-1/2, tp, pp and cp are not drawn yet"),
-    (("--parallel", "dp=2,zero=3,tp=2"), "DDP, ZeRO-1/2, tp, pp and cp are not drawn yet"),
+    (("--parallel", "dp=2,zero=2"), "DDP, ZeRO-1/2, tp, pp, cp and ep are not drawn yet"),
+    (("--parallel", "dp=2,zero=3,tp=2"), "DDP, ZeRO-1/2, tp, pp, cp and ep are not drawn yet"),
+    (("--parallel", "dp=2,zero=3,ep=2"), "DDP, ZeRO-1/2, tp, pp, cp and ep are not drawn yet"),
     (("--device-memory", "80GiB"), "add --parallel dp=N,zero=3"),
     ((*N2, "--checkpointing", "full"), "drop --checkpointing"),
     ((*N2, "--fit", "batch", "--device-memory", "1GiB"), "drop --fit"),
