@@ -136,3 +136,23 @@ def test_params_device_cuda_math_kernel_keeps_9_bytes_per_score(cli):
     cpu, _ = estimate_activations(OwnSubject(get_preset("tiny")),
                                   dict(B=batch, S=length, T=length), kernel="math")
     assert cpu.saved_bytes["attention matrices"] == 12 * elements
+
+
+def test_the_per_rank_plan_replays_the_device_it_is_for(cli):
+    """--parallel's activation lines come from the same replay as one device's: at dp=2,
+    zero=0 (every rank keeps every activation) they add up to one device's, on either device,
+    so what --device cuda changes (dropout's bool masks, the math kernel's mask) it changes
+    per rank too."""
+    def activations(device: str, *parallel: str) -> int:
+        result = cli("params", "-p", "tiny", "--seq-len", "16", "--batch-size", "2",
+                     "--attention-kernel", "math", "--device", device, *parallel, "--json")
+        assert result.exit_code == 0, result.stderr
+        data = json.loads(result.stdout)
+        if parallel:
+            assert data["conditions"]["replayed_as"] == device
+        return sum(line["bytes"] for line in data["memory"] if line["kind"] == "activations")
+
+    cpu, cuda = activations("cpu"), activations("cuda")
+    assert cuda < cpu
+    assert activations("cpu", "--parallel", "dp=2") == cpu
+    assert activations("cuda", "--parallel", "dp=2") == cuda

@@ -423,7 +423,7 @@ def params(
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
                                lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
-                               loop.value, prec)
+                               loop.value, prec, device=device.value)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

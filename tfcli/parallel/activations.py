@@ -79,11 +79,12 @@ def share_config(cfg: Config, t: int, n_enc: int, n_dec: int) -> Config:
 @functools.lru_cache(maxsize=64)  # --fit asks again for sizes it has seen
 def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp32",
                  mixed: str | None = None, kernel: str = "auto",
-                 depth: tuple[int, int] = (1, 1), loop: str = "loss-only") -> Replay:
+                 depth: tuple[int, int] = (1, 1), loop: str = "loss-only",
+                 device: str = "cpu") -> Replay:
     """Replays at ``depth`` (encoder, decoder layers) and with one more layer per stack: the
     saved bytes grow exactly linearly with layers (their difference is one layer); the peak
     at ``depth`` less its layers is the rest (with ``loop`` "keep-output", the model's output
-    held through backward too)."""
+    held through backward too), with ``device``'s code paths (tfcli.inspection.cuda_replay)."""
     from tfcli.inspection.memory import estimate_activations
     from tfcli.subjects.own import OwnSubject
 
@@ -91,7 +92,8 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
 
     def run(n_enc: int, n_dec: int):
         subject = OwnSubject(share_config(cfg, t, n_enc, n_dec))
-        return estimate_activations(subject, sizes, dtype, mixed, kernel, loop=loop)
+        return estimate_activations(subject, sizes, dtype, mixed, kernel, loop=loop,
+                                    device=device)
 
     at, how = run(*depth)
     more, _ = run(depth[0] + 1, depth[1] + 1)

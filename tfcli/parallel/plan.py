@@ -151,7 +151,7 @@ class Plan:
 def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | None = None,
          micro_batches: int | None = None, checkpointing: str = "none", dtype: str = "fp32",
          mixed: str | None = None, optimizer_states: int = 2, precision: str = "autocast",
-         kernel: str = "auto", loop: str = "loss-only") -> Plan:
+         kernel: str = "auto", loop: str = "loss-only", device: str = "cpu") -> Plan:
     """Per-rank memory of one training step. ``batch`` is the micro-batch per data-parallel rank
     (b), ``seq_len`` the full sequence (s; each context-parallel rank holds s/C); without them
     only model states and parameter buffers are given. ``precision`` names the policy
@@ -183,7 +183,7 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
             per_stack = -(-stages[0].layers // (cfg.has_encoder + cfg.has_decoder))
             depth = (per_stack, per_stack)
         rep = replay_share(cfg, t, batch, s_local, pol.run_dtype, pol.autocast, kernel, depth,
-                           loop)
+                           loop, device)
 
     module = largest_module(cfg, t) if pol.name == "deepspeed" and par.zero == 3 else 0
     results = []
@@ -213,7 +213,7 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     conditions = {"micro_batch": batch, "seq_len": seq_len, "seq_len_per_rank": s_local or None,
                   "micro_batches": m, "checkpointing": checkpointing, "dtype": dtype,
                   "mixed_precision": mixed, "precision": pol.name, "state_bytes": pol.how,
-                  "sharded_over": n, "attention_kernel": kernel,
+                  "sharded_over": n, "attention_kernel": kernel, "replayed_as": device,
                   "activations": rep.how if rep else None, "loop": loop if rep else None,
                   "model_states_by_zero": stage_states(stages[worst].total, n, pol)}
     return Plan(par, worst, results[worst], cross, totals, conditions,

@@ -16,7 +16,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, checkpointing: str, dtype: str, mixed: str | None,
              optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
              fit_what: str | None = None, reserve: str | None = None,
-             loop: str = "loss-only", precision: str = "autocast") -> dict:
+             loop: str = "loss-only", precision: str = "autocast",
+             device: str = "cpu") -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
     capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
     largest batch or length that fits there and the plan there."""
@@ -28,7 +29,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None):
         return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
-                    optimizer_states, precision, kernel=kernel, loop=loop)
+                    optimizer_states, precision, kernel=kernel, loop=loop, device=device)
 
     found = bound = None
     step = 1
@@ -218,7 +219,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
                     timeline=None, loop: str = "loss-only", precision: str = "autocast",
-                    param_count: int | None = None) -> None:
+                    param_count: int | None = None, device: str = "cpu") -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
@@ -243,7 +244,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                                checkpointing or "none", dtype, mixed,
                                OPTIMIZER_STATES[optimizer], kernel,
                                str(budget.usable) if budget else None, fit_what, wrap, loop,
-                               precision)
+                               precision, device=device)
         if budget is not None:
             dev = data["device"]
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
@@ -252,7 +253,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
-                        fit_what, reserve, loop, precision)
+                        fit_what, reserve, loop, precision, device=device)
         data["config"] = cfg.to_dict()
     if timeline is not None:
         data["timeline"] = timeline(data)

@@ -74,17 +74,18 @@ class TracedModel:
 
     @functools.lru_cache(maxsize=64)
     def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str,
-               loop: str = "loss-only"):
+               loop: str = "loss-only", device: str = "cpu"):
         """The replay at ``sizes`` with the model's weights in ``dtype``, under autocast
         ``mixed`` (None: none), for the training loop ``loop``."""
         from tfcli.inspection.memory import estimate_activations
 
         return estimate_activations(self.subject, dict(sizes), dtype, mixed, kernel,
-                                    units=self._units_of, loop=loop)
+                                    units=self._units_of, loop=loop, device=device)
 
     def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
              dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
-             kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast") -> Plan:
+             kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast",
+             device: str = "cpu") -> Plan:
         """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
         the activation lines, None only model states and buffers; every line follows the
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
@@ -109,7 +110,7 @@ class TracedModel:
         peak, how, per_unit = None, None, 0
         if sizes is not None:
             estimate, how = self.replay(tuple(sorted(sizes.items())), sb.run_dtype,
-                                        sb.autocast, kernel, loop)
+                                        sb.autocast, kernel, loop, device)
             act, per_unit = self._activation_lines(estimate, checkpointing)
             if ep > 1:
                 lines.append(self.experts.all_to_all(self.subject.tokens(sizes), ep,
@@ -123,6 +124,7 @@ class TracedModel:
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
                       "mixed_precision": mixed, "precision": sb.name,
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
+                      "replayed_as": device,
                       "activations": how, "loop": loop if sizes is not None else None,
                       "wrap_units": self.units.how,
                       "expert_parallel": self._expert_record(ep),
@@ -338,7 +340,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, sizes_at,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
              kernel: str, device_memory: str | None, fit_what: str | None,
-             wrap: str | None, loop: str = "loss-only", precision: str = "autocast") -> dict:
+             wrap: str | None, loop: str = "loss-only", precision: str = "autocast",
+             device: str = "cpu") -> dict:
     """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size."""
@@ -362,7 +365,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None) -> Plan:
         return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
-                           dtype, mixed, optimizer_states, kernel, loop, precision)
+                           dtype, mixed, optimizer_states, kernel, loop, precision, device)
 
     found = bound = None
     step = 1
