@@ -949,3 +949,22 @@ def test_wrap_chooses_another_class(cli, tmp_path):
 def test_wrap_is_for_a_model(cli):
     result = cli("params", "-p", "tiny", "--parallel", "dp=2", "--wrap", "Block")
     assert result.exit_code == 2 and "--wrap applies to --model" in result.stderr
+
+
+def test_selective_recomputation_under_a_fused_kernel_says_it_saves_nothing(cli):
+    """Issue 21: an answer cut by the model itself is said. A fused kernel keeps no attention
+    matrices, so --checkpointing selective keeps what no checkpointing keeps, and says why."""
+    def layers(*args: str) -> dict:
+        result = cli("params", "-p", "tiny", "--parallel", "dp=2", "--seq-len", "16",
+                     "--batch-size", "2", *args, "--json")
+        assert result.exit_code == 0, result.stderr
+        return next(line for line in json.loads(result.stdout)["memory"]
+                    if line["name"] == "activations: layers")
+
+    flash = ["--device", "cuda", "--attention-kernel", "flash"]
+    fused = layers(*flash, "--checkpointing", "selective")
+    assert fused["bytes"] == layers(*flash)["bytes"]
+    assert "selective recomputation saves nothing here" in fused["how"]
+    math = layers("--attention-kernel", "math", "--checkpointing", "selective")
+    assert "saves nothing" not in math["how"]
+    assert math["bytes"] < layers("--attention-kernel", "math")["bytes"]

@@ -123,7 +123,9 @@ def kept_per_layer(cfg: Config, par: Parallel, rep: Replay, batch: int, s_local:
     kept, how = rep.per_layer, "one layer of the replay"
     if checkpointing == "selective":
         kept -= rep.per_layer_attention
-        how += f" less its attention matrices ({rep.per_layer_attention:,} B)"
+        how += (f" less its attention matrices ({rep.per_layer_attention:,} B)"
+                if rep.per_layer_attention else ": its attention kernel keeps no attention "
+                "matrices, so selective recomputation saves nothing here")
     if sp:
         # what TP alone leaves replicated per residual sublayer: the norm's input and output
         # (e bytes each) and, with dropout, the output's dropout mask (1 byte), per position

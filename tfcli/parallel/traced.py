@@ -260,7 +260,10 @@ class TracedModel:
         elif checkpointing == "selective":
             kept = [s - kinds.get("attention matrices", 0)
                     for s, kinds in zip(saved, estimate.unit_saved)]
-            how = "what each unit saved for backward, less its attention matrices (recomputed)"
+            how = ("what each unit saved for backward, less its attention matrices (recomputed)"
+                   if any(kinds.get("attention matrices", 0) for kinds in estimate.unit_saved)
+                   else "what each unit saved for backward: its attention kernel keeps no "
+                        "attention matrices, so selective recomputation saves nothing here")
         else:
             kept = saved
             how = "what each unit saved for backward in the replay"
