@@ -2,10 +2,11 @@
 
 Each rank is a fresh interpreter (``python -P -m tfcli.parallel.launch SPEC``; nothing inherited
 from a fork, no torch threads or locks, nothing imported from the current directory). They meet
-on the loopback interface only: the rendezvous store listens on a socket the parent bound to
-127.0.0.1 and hands to rank 0 (torch's own store would listen on every interface), and gloo's
-and NCCL's sockets are pinned to ``lo`` (no host-name lookup). The parent watches them: the first rank that fails, or the deadline, ends every rank, and the error names the
-rank. Nothing outlives :func:`run_ranks`: a rank whose parent is gone (killed, so that its
+without the network: the rendezvous is a file store in the parent's private temporary directory
+(torch's TCPStore would listen on every interface, and asks DNS for the name of 127.0.0.1 at
+every connection and accept), and gloo's and NCCL's sockets are pinned to ``lo``. The parent
+watches them: the first rank that fails, or the deadline, ends every rank, and the error names
+the rank. Nothing outlives :func:`run_ranks`: a rank whose parent is gone (killed, so that its
 ``finally`` never ran) ends itself.
 
 Nothing is pickled either way. The parent hands a rank its function by import name and its
@@ -51,23 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _loopback_listener() -> socket.socket:
-    """A socket listening on 127.0.0.1 at a free port, for rank 0's rendezvous store: bound
-    here, it cannot be taken between choosing the port and listening on it."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    return listener
-
-
 def _entry(spec: dict) -> int:
     """One rank: join the process group, run the function, write its result as JSON."""
     import datetime
     import importlib
 
     rank, world, out = spec["rank"], spec["world"], Path(spec["out"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if sys.platform == "linux":  # the backends' own sockets on loopback, not a resolved host name
         os.environ.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     _end_with_parent(spec["parent"])
@@ -90,8 +81,9 @@ def _entry(spec: dict) -> int:
         # The launcher's deadline ends a late run and names the late rank; the process group's
         # own timeout (which would blame the rank left waiting) is only a backstop behind it.
         wait = datetime.timedelta(seconds=max(spec["timeout"], spec["startup"]) + 60)
-        store = dist.TCPStore("127.0.0.1", spec["port"], world, rank == 0, timeout=wait,
-                              master_listen_fd=spec["listen_fd"] if rank == 0 else None)
+        # a file only the parent's user can reach: no socket, so no DNS and no listener
+        store = dist.FileStore(str(out / "rendezvous"), world)
+        store.set_timeout(wait)
         dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=spec["timeout"] + 60))
         (out / f"rank{rank}.ready").touch()  # the run's deadline starts once every rank is here
@@ -129,12 +121,9 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
     ``timeout`` counts from the moment every rank has joined the process group, so that a
     machine slow to start N interpreters (each imports torch) does not eat into it; joining
     has ``startup`` seconds of its own."""
-    listener = _loopback_listener()
-    port = listener.getsockname()[1]
-    with listener, tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:
+    with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:  # mode 0700
         specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
-                  "world": world, "port": port, "listen_fd": listener.fileno(),
-                  "backend": backend, "timeout": timeout, "startup": startup, "out": out,
+                  "world": world, "backend": backend, "timeout": timeout, "startup": startup, "out": out,
                   "parent": os.getpid()} for rank in range(world)]
         texts = [json.dumps(s) for s in specs]  # a TypeError here: args JSON cannot hold
         procs: list[subprocess.Popen] = []
@@ -143,8 +132,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
                 # -P: the current directory is not put on the rank's import path, so a json.py
                 # or torch.py lying there is never imported (and run) by a rank
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-P", "-m", "tfcli.parallel.launch", text],
-                    pass_fds=(listener.fileno(),) if rank == 0 else ()))
+                    [sys.executable, "-P", "-m", "tfcli.parallel.launch", text]))
             deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
                 if any(p.returncode not in (None, 0) for p in procs):

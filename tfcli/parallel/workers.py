@@ -157,10 +157,10 @@ def fail_rank(rank: int, world: int, bad_rank: int, hang: bool = False,
     return rank
 
 
-def listening_sockets(rank: int, world: int) -> list[str]:
+def listening_sockets(rank: int, world: int) -> dict:
     """For tests of the launcher: the local addresses ("ip:port") of the TCP sockets this rank
-    listens on once the process group is up (Linux /proc), rank 0's rendezvous store among
-    them."""
+    listens on once the process group is up (Linux /proc; the backend's), and the class of
+    the store the ranks met at (under torch's PrefixStore)."""
     import ipaddress
     import os
 
@@ -186,5 +186,8 @@ def listening_sockets(rank: int, world: int) -> list[str]:
                     # /proc prints each 32-bit word in host (little-endian) order
                     words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
                     found.append(f"{ipaddress.ip_address(words)}:{int(port, 16)}")
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
     dist.barrier()
-    return found
+    return {"listening": found, "store": type(store).__name__}
