@@ -61,3 +61,21 @@ def test_a_long_build_is_announced(cli, deep, monkeypatch):
     result = cli("params", "--model", f"hf:{path}", "--depth", "0")
     assert result.exit_code == 0, result.stderr
     assert f"300 layers are about {modules:,} modules" in result.stderr
+    assert " to build them here (timed on 1 and 9 layers)" in result.stderr
+
+
+@pytest.mark.parametrize("nest", [False, True])
+def test_a_deep_config_is_named_from_its_json_before_anything_is_built(tmp_path, capsys,
+                                                                      nest):
+    """Issue 25: 100,000 layers said nothing until torch and Transformers had loaded; the
+    layer count is read from the JSON alone (a sub-config's too), shallow ones say nothing."""
+    deep = {"num_hidden_layers": hf_size.EARLY_ABOVE + 1}
+    data = {"model_type": "x", "text_config": deep} if nest else {"model_type": "x", **deep}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    (tmp_path / "shallow.json").write_text(json.dumps({"n_layer": hf_size.EARLY_ABOVE}))
+    hf_size.announce_depth(str(tmp_path))
+    hf_size.announce_depth(str(tmp_path / "shallow.json"))
+    hf_size.announce_depth(str(tmp_path / "missing.json"))  # left to the full reading
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"tfcli: note: hf:{tmp_path}: {hf_size.EARLY_ABOVE + 1:,} layers "
+                     f"(num_hidden_layers); counting their modules before building them"]

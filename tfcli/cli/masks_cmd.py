@@ -139,17 +139,16 @@ def masks(
 ) -> None:
     """Padding, causal, combined and cross-attention masks for an example batch."""
     RULES.apply(locals())
-    import torch
-
     check_outputs(Output(png, "--png", ".png"))
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)  # first: it may speak before torch loads
+    import torch
 
     from tfcli.inspection.maskcheck import mask_rules
     from tfcli.inspection.maskgrid import Padding, shown_cells
     from tfcli.model import masks as mask_fns
     from tfcli.render.masks import render_masks, render_verdict
 
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
-                              attn_implementation)
     if getattr(subject, "cfg", None) is None:
         _masks_any(subject, causal or [], lengths or [], pad_id, dim, batch_index, convention,
                    check, max_grid, json_out, max_memory, mask, window)

@@ -372,14 +372,14 @@ def params(
                                json_out, reserve=reserve, precision=prec,
                                param_count=parse_param_count(param_count))
     timeline_file = _check_timeline(timeline)  # absolute: the model may change directory
+    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
+                              attn_implementation)  # first: it may speak before torch loads
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
     from tfcli.inspection.params import param_report
     from tfcli.render.params import display_rows, render
 
-    subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
-                              attn_implementation)
     mixed = None if mixed_precision is Mixed.none else mixed_precision.value
     cfg = getattr(subject, "cfg", None)
     if seq_len is not None and seq_len > MAX_SIZE:  # so a --set max_seq_len hint is allowed

@@ -37,6 +37,10 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
     if given:
         raise _error(f"--model with {', '.join(given)}: those configure tfcli's own model; "
                      f"give one or the other")
+    if model.startswith("hf:"):
+        from tfcli.subjects.hf_size import announce_depth
+
+        announce_depth(model[3:])  # before torch is loaded: a deep config is named at once
     from tfcli.subjects.base import parse_input
 
     specs = [parse_input(text) for text in inputs or []]

@@ -22,6 +22,7 @@ from tfcli.subjects import hf_masks, hf_moe
 from tfcli.subjects.hf_moe import is_stacked_experts
 from tfcli.subjects.base import (InputSpec, Inputs, Subject, building, check_inputs_fit,
                                  error_text, fake_mode_active, make_tensors)
+from tfcli.subjects.hf_size import LAYER_KEYS
 from tfcli.subjects.hf_source import NEEDS_TRANSFORMERS, config_source, hub_offline
 
 
@@ -65,8 +66,7 @@ def _check_model_type(tf, model_type, path_text: str) -> None:
 # Keys whose value sizes the model, by what they count. Transformers builds an empty stack from
 # a layer count of -1 or 0, and from K/V heads that do not divide the query heads a model that
 # fails only when run: both would be inspected as if they were sound.
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
-              "encoder_layers", "decoder_layers")
+# (LAYER_KEYS lives in hf_size, which reads the JSON before torch is loaded.)
 SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff",
              "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "image_size", "patch_size",
              "num_channels", "num_mel_bins", "max_source_positions")
