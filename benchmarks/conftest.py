@@ -39,7 +39,8 @@ import os, subprocess, sys, time
 start = time.perf_counter()
 proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 _, status, usage = os.wait4(proc.pid, 0)
-print(time.perf_counter() - start, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status))
+print(time.perf_counter() - start, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status),
+      usage.ru_utime + usage.ru_stime)
 """
 
 
@@ -49,6 +50,15 @@ def run_subprocess(args: list[str]) -> tuple[float, float]:
                          text=True, check=True).stdout.split()
     assert out[2] == "0", f"{args} exited with {out[2]}"
     return float(out[0]), float(out[1])
+
+
+def cpu_seconds(args: list[str]) -> float:
+    """User + system CPU seconds of one fresh child process: steadier than wall time on a
+    machine shared with other work."""
+    out = subprocess.run([sys.executable, "-c", _HELPER, *args], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[2] == "0", f"{args} exited with {out[2]}"
+    return float(out[3])
 
 
 def best_of(args: list[str], repeat: int) -> tuple[float, float]:
