@@ -79,3 +79,13 @@ def test_a_deep_config_is_named_from_its_json_before_anything_is_built(tmp_path,
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"tfcli: note: hf:{tmp_path}: {hf_size.EARLY_ABOVE + 1:,} layers "
                      f"(num_hidden_layers); counting their modules before building them"]
+
+
+def test_a_layer_count_past_memory_is_refused_from_its_json_alone(tmp_path, monkeypatch):
+    """At least a module a layer: beyond what memory holds, one line before anything loads."""
+    monkeypatch.setattr("tfcli.guard.available", lambda *a, **k: Budget(2**30, "MemAvailable"))
+    layers = 2**30 // hf_size.BYTES_PER_MODULE + 1
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": layers}))
+    with pytest.raises(hf_size.TfcliError, match=f"n_layer={layers:,} is at least that many "
+                       r"modules, at least 1 GiB of Python objects .* but 1 GiB is available"):
+        hf_size.announce_depth(str(tmp_path))

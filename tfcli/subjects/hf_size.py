@@ -5,7 +5,8 @@ A model's modules are Python objects, built one by one whatever the device: a co
 100,000 layers is about 1.3 million modules, minutes of building and gigabytes of memory, even
 on meta. Two small builds of the same config (1 and 2 layers) give the modules of one layer; the
 count at the config's own depth follows, and with it an estimate of the memory the command will
-hold, checked before the real build starts. A config deeper still is named from its JSON
+hold, checked before the real build starts, and of the time building takes (9-layer builds less
+1-layer ones time one layer). A config deeper still is named from its JSON
 alone, before torch and Transformers are loaded (seconds, many more on a busy machine), so that
 the first line comes at once.
 """
@@ -65,7 +66,15 @@ def announce_depth(text: str) -> None:
     except (OSError, ValueError, RecursionError):
         return
     if deepest_raw is not None and deepest_raw[0] > EARLY_ABOVE:
+        from tfcli.guard import available, gib
+
         layers, key = deepest_raw
+        budget = available()
+        if layers * BYTES_PER_MODULE > budget.bytes:  # a module a layer, at the very least
+            raise TfcliError(f"--model hf:{text}: {key}={layers:,} is at least that many "
+                             f"modules, at least {gib(layers * BYTES_PER_MODULE)} of Python "
+                             f"objects to build, but {gib(budget.bytes)} is available "
+                             f"({budget.source}); is the layer count meant?")
         sys.stderr.write(f"tfcli: note: hf:{text}: {layers:,} layers ({key}); counting their "
                          f"modules before building them\n")
         sys.stderr.flush()
