@@ -21,11 +21,13 @@ from pathlib import Path
 
 
 def ranks_of(pid: int) -> list[int]:
-    """Live ``python -m tfcli.parallel.launch`` children of ``pid`` (zombies are ended)."""
+    """Live ``python -m tfcli.parallel.launch`` children of ``pid`` (zombies are ended). The
+    module is matched as ``-m``'s argument: a background job's ``python -c`` that imports it
+    is a child of the test session too, and its source text names the module."""
     out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid=,stat=,args="],
                          capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines()
-            if "tfcli.parallel.launch" in line and line.split()[1][0] != "Z"]
+            if " -m tfcli.parallel.launch " in line and line.split()[1][0] != "Z"]
 
 
 def alive(pid: int) -> bool:
