@@ -244,6 +244,20 @@ def _split_text(par: Parallel, st: StageParams) -> str:
     return "; ".join(parts) or "the whole model"
 
 
+def deepspeed_zero3_lines(module: int, pol: Policy) -> list[Line]:
+    """DeepSpeed ZeRO-3's communication lines: it gathers (and reduce-scatters the gradients
+    of) one module's own parameters at a time, the largest ``module`` at the peak."""
+    tag, g = pol.tag(), pol.gathered
+    return [Line("unsharded parameters", module * g,
+                 f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it runs: "
+                 f"the largest module ({module:,}) × {g} B; prefetch "
+                 f"(stage3_prefetch_bucket_size) not counted, as DeepSpeed's estimate",
+                 "communication", pol.name),
+            Line("reduce-scatter buffer", module * pol.reduced,
+                 f"{tag} the largest module's unsharded gradients: {module:,} × "
+                 f"{pol.reduced} B", "communication", pol.name)]
+
+
 def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, pol: Policy,
                   batch: int | None, s_local: int, e: int, module: int = 0) -> list[Line]:
     """Communication buffers whose size is known from the layout; ``module``: the largest
@@ -251,14 +265,7 @@ def _buffer_lines(cfg: Config, par: Parallel, st: StageParams, pol: Policy,
     n, out = par.shard, []
     tag, g = pol.tag(), pol.gathered
     if par.zero == 3 and module:
-        return [Line("unsharded parameters", module * g,
-                     f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it runs: "
-                     f"the largest module ({module:,}) × {g} B; prefetch "
-                     f"(stage3_prefetch_bucket_size) not counted, as DeepSpeed's estimate",
-                     "communication", pol.name),
-                Line("reduce-scatter buffer", module * pol.reduced,
-                     f"{tag} the largest module's unsharded gradients: {module:,} × "
-                     f"{pol.reduced} B", "communication", pol.name)]
+        return deepspeed_zero3_lines(module, pol)
     if par.zero == 3:
         unit = st.largest_layer
         out.append(

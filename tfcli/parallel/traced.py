@@ -30,7 +30,7 @@ import functools
 from tfcli.errors import TfcliError
 from tfcli.parallel.experts import ExpertLayout
 from tfcli.parallel.layout import Line, Parallel
-from tfcli.parallel.plan import CHECKPOINTING, Plan, step_peak
+from tfcli.parallel.plan import CHECKPOINTING, Plan, deepspeed_zero3_lines, step_peak
 from tfcli.parallel.precision import Policy, check_stage, policy, state_parts
 from tfcli.parallel.units import Units, find_units, shard_numel
 
@@ -210,15 +210,8 @@ class TracedModel:
         units = self.experts.rank_units(ep) if ep > 1 else self.units
         out, tag, g = [], sb.tag(), sb.gathered
         if zero == 3 and sb.name == "deepspeed":
-            module = self.experts.largest_module(ep) if ep > 1 else self.largest_module
-            return [Line("unsharded parameters", module * g,
-                         f"{tag} DeepSpeed ZeRO-3 gathers each module's own parameters as it "
-                         f"runs: the largest module ({module:,}) × {g} B; prefetch "
-                         f"(stage3_prefetch_bucket_size) not counted, as DeepSpeed's estimate",
-                         "communication", sb.name),
-                    Line("reduce-scatter buffer", module * sb.reduced,
-                         f"{tag} the largest module's unsharded gradients: {module:,} × "
-                         f"{sb.reduced} B", "communication", sb.name)]
+            return deepspeed_zero3_lines(
+                self.experts.largest_module(ep) if ep > 1 else self.largest_module, sb)
         largest = units.largest
         unit = largest.numel if largest else 0
         if zero == 3:
