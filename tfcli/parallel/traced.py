@@ -354,7 +354,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     if fit_what == "seq-len" and not subject.length_dims():
         raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
                          "sizes are fixed); use --fit batch")
-    capacity, device = parse_device_memory(device_memory) if device_memory else (None, None)
+    capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
     traced = TracedModel(subject, wrap)
     positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
     limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
@@ -380,7 +380,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     data["world_size"] = par.world
     data["conditions"]["seq_len"] = seq_len
     if capacity is not None:
-        data["device"] = {"name": device, "bytes": capacity,
+        data["device"] = {"name": board, "bytes": capacity,
                           "headroom_bytes": capacity - result.need,
                           "compared": "peak" if result.peak else "total",
                           "fits": result.need <= capacity}
