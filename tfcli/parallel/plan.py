@@ -209,7 +209,8 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     cross = []
     if rep is not None:
         cross = cross_check(cfg, par, stages[worst], rep, batch, s_local, m, checkpointing, e,
-                            kernel, f"autocast {mixed}" if mixed else dtype)
+                            kernel, f"autocast {pol.autocast}" if pol.autocast else
+                            f"{pol.run_dtype}, {pol.name}" if pol.half else pol.run_dtype)
     conditions = {"micro_batch": batch, "seq_len": seq_len, "seq_len_per_rank": s_local or None,
                   "micro_batches": m, "checkpointing": checkpointing, "dtype": dtype,
                   "mixed_precision": mixed, "precision": pol.name, "state_bytes": pol.how,
