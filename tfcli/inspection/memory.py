@@ -98,6 +98,9 @@ class _LiveStorages(TorchDispatchMode):
         counter; a timeline recorder (tfcli.inspection.timeline) marks it."""
 
 
+BEFORE_UNITS = -1  # the owner of what is saved before the first unit runs
+
+
 class _SavedTensors:
     """Records each distinct storage autograd saves for backward. A saved tensor whose last two
     dimensions are an attention call's (queries, keys) — seen by an OpObserver as the model
@@ -111,6 +114,7 @@ class _SavedTensors:
         self.ops: list = []  # what the model did; an op is known as attention only later
         self.owner: int | None = None  # the unit running now (see simulate_training_step)
         self.owners: dict[int, int] = {}  # id(storage) -> the unit that saved it first
+        self.units_began = False  # a unit has run: what is saved outside one now is after it
 
     def on_op(self, op) -> None:
         if op.shape and len(op.shape) >= 3 and op.kind in ("matmul", "sdpa"):
@@ -123,6 +127,8 @@ class _SavedTensors:
             self.by_storage[id(storage)] = (storage.nbytes(), tail)
             if self.owner is not None:
                 self.owners[id(storage)] = self.owner
+            elif not self.units_began:
+                self.owners[id(storage)] = BEFORE_UNITS
         return t
 
     def sums(self, unit: int | None = None) -> dict[str, int]:
@@ -150,6 +156,7 @@ def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int])
     def enter(index: int):
         def hook(module, args, kwargs):
             saved.owner = index
+            saved.units_began = True
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, Tensor) and t.is_floating_point():
                     key = id(t.untyped_storage())
@@ -177,6 +184,9 @@ class ActivationEstimate:
     unit_inputs: list[int] = field(default_factory=list)
     # the model's output held through backward (loop "keep-output") beyond what autograd saved
     held_output: int = 0
+    # with units: what was saved for backward before the first unit ran (embeddings), by
+    # kind: a pipeline's first stage keeps it
+    before_units: dict[str, int] = field(default_factory=dict)
 
     @property
     def working_bytes(self) -> int:
@@ -239,10 +249,11 @@ def simulate_training_step(build: Callable[[], nn.Module],
                 del output
             sums = saved.sums()
             unit_saved = [saved.sums(i) for i in range(len(blocks))]
+            before = saved.sums(BEFORE_UNITS) if blocks else {}
             with running(model, "backward pass", REPLAY):
                 out.backward()
             del out
-    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held)
+    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held, before)
 
 
 def _as_device(device: str):
