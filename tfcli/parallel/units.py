@@ -97,14 +97,15 @@ def find_units(model, wrap: str | None = None) -> Units:
             how = (f"the largest ModuleList, {path or 'the model'}: {len(modules)} × "
                    f"{'/'.join(kinds)}")
     seen: set[int] = set()
-    groups = [_group(path, module, seen) for path, module in modules]
-    root = _group("root", model, seen)
+    groups = [group(path, module.parameters(), seen) for path, module in modules]
+    root = group("root", model.parameters(), seen)
     return Units([m for _, m in modules], groups, root, how)
 
 
-def _group(name: str, module, seen: set[int]) -> Group:
+def group(name: str, parameters, seen: set[int]) -> Group:
+    """The Group of ``parameters`` not in ``seen`` (their ids), which it adds them to."""
     shapes, trainable_shapes, numel, trainable = [], [], 0, 0
-    for p in module.parameters():
+    for p in parameters:
         if id(p) in seen:
             continue
         seen.add(id(p))
