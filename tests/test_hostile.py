@@ -340,7 +340,8 @@ TORCH_CASES: list[Case] = [
          "own configuration only", files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-micro-batches-model-refused-before-import", [
         "params", "--model", "m.py:M", "--parallel", "dp=2", "--micro-batches", "4"], 2,
-         "--micro-batches matters to pipeline stages", files={"m.py": b"raise SystemExit('imported')\n"}),
+         "--micro-batches 4: micro-batches in flight matter to pipeline stages; add pp=P",
+         files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-model-exits-in-forward", ["params", "--model", "m.py:Quits", "--input",
                                            "x=float32[B,4]", "--seq-len", "4"], 1,
          "the model called sys.exit(5)", files={"m.py": FAIL_OWN_CODE.encode()}),

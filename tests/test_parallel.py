@@ -925,13 +925,12 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
 @pytest.mark.parametrize("extra,message", [
     (["--parallel", "dp=2,tp=2"], "--parallel dp=2,tp=2: tp=2 splits the model itself, which "
                                   "is computed for tfcli's own configuration only"),
-    (["--parallel", "pp=2"], "--parallel pp=2: pp=2 splits the model itself"),
+    (["--parallel", "cp=2"], "--parallel cp=2: cp=2 splits the model itself"),
     (["--parallel", "dp=2,zero=3", "--wrap", "Blok"], "--wrap 'Blok': the model has no module "
                                                       "of that class (did you mean 'Block'?)"),
     (["--wrap", "Block"], "--wrap chooses the FSDP units of the per-rank plan"),
     (["--parallel", "dp=2", "--micro-batches", "2", "--seq-len", "8"],
-     "--micro-batches matters to pipeline stages, which are computed for tfcli's own "
-     "configuration only"),
+     "--micro-batches 2: micro-batches in flight matter to pipeline stages; add pp=P"),
 ])
 def test_params_parallel_for_a_module_bad_input_is_one_line(cli, tmp_path, extra, message):
     (tmp_path / "net.py").write_text(USER_MODULE)

@@ -13,7 +13,7 @@ from tfcli.cli.options import (AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, 
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules, any_model, own_model
+from tfcli.cli.rules import Needs, Rule, Rules, any_model
 from tfcli.guard import guard_build
 
 
@@ -119,17 +119,16 @@ TRAINING = Needs(lambda v: not v.inference, "not with --inference",
                  "applies to training memory; --inference counts weights, KV cache and working "
                  "memory only")
 
-def _model_split(v) -> str | None:
-    """The first split of the model itself (tp, pp, cp) that --parallel asks for: computed for
-    tfcli's own configuration only, so refused for --model before its code is imported (as
-    is a --parallel that does not parse)."""
+def _model_split(v, keys: tuple[str, ...] = ("tp", "pp", "cp")) -> str | None:
+    """The first split of the model itself (of ``keys``) that --parallel asks for. Those a
+    --model cannot have (tp, cp: computed for tfcli's own configuration only) are refused
+    before its code is imported (as is a --parallel that does not parse)."""
     from tfcli.parallel.layout import parse_parallel
 
     if v.parallel is None:
         return None
     par = parse_parallel(v.parallel)
-    return next((f"{key}={getattr(par, key)}" for key in ("tp", "pp", "cp")
-                 if getattr(par, key) > 1), None)
+    return next((f"{key}={getattr(par, key)}" for key in keys if getattr(par, key) > 1), None)
 
 
 def _rank_timeline(v) -> str | None:
@@ -167,13 +166,14 @@ RULES = Rules(
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
     Rule("parallel", Needs(
-        lambda v: v.model_ref is None or v.model_split is None, "tp, pp, cp: not with --model",
-        "{option} {value}: {v.model_split} splits the model itself, which is computed for "
+        lambda v: v.model_ref is None or v.unsplit is None, "tp, cp: not with --model",
+        "{option} {value}: {v.unsplit} splits the model itself, which is computed for "
         "tfcli's own configuration only (--preset/--config/--set); for --model, data "
-        "parallelism is (dp=N,zero=0-3)")),
-    Rule("micro_batches", own_model(
-        "{option} matters to pipeline stages, which are computed for tfcli's own "
-        "configuration only (--preset/--config/--set), not yet for --model")),
+        "parallelism (dp=N,zero=0-3) and pipeline stages (pp=P) are")),
+    Rule("micro_batches", Needs(
+        lambda v: v.pipelined, "only with pp=P in --parallel",
+        "{option} {value}: micro-batches in flight matter to pipeline stages; add pp=P to "
+        "--parallel (with pp=1 one is in flight)")),
     Rule("wrap", any_model("{option} applies to --model; tfcli's own model wraps each of its "
                            "layers"),
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
@@ -248,6 +248,8 @@ RULES = Rules(
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
+             "unsplit": lambda v: _model_split(v, ("tp", "cp")),
+             "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "rank_timeline": lambda v: _rank_timeline(v),
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )

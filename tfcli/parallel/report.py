@@ -181,6 +181,21 @@ def render(data: dict, console) -> None:
                      f"{cond['wrap_units']}")
     elif cond.get("model_states_from"):
         notes.append(f"parameters: {cond['model_states_from']}")
+    if cond.get("pipeline"):  # a --model's stages, traced (tfcli.parallel.pipeline)
+        pipe = cond["pipeline"]
+        notes.append(f"pipeline: {pipe['schedule']}; M = {cond['micro_batches']}; split: "
+                     f"{pipe['split']}")
+        for st in pipe["stages"]:
+            blocks = st["blocks"]
+            need = st["peak_bytes"] if st["peak_bytes"] is not None else st["total_bytes"]
+            notes.append(
+                f"  stage {st['stage']}: {len(blocks)} block(s) {blocks[0]}"
+                + (f" … {blocks[-1]}" if len(blocks) > 1 else "")
+                + (f" + {', '.join(st['outside_blocks'])}" if st["outside_blocks"] else "")
+                + f"; {st['parameters']:,} parameters; {st['in_flight']} micro-batch(es) in "
+                f"flight; {'peak' if st['peak_bytes'] is not None else 'sum'} "
+                f"{human_bytes(need)}" + (" (the most: the table above)"
+                                          if st["stage"] == pipe["worst"] else ""))
     if data["peak"]:
         notes.append(f"peak: {data['peak']['how']}")
     if cond["activations"]:

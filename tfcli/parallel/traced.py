@@ -19,8 +19,11 @@ replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.pl
   MoE layer's experts, sharded over the dp/ep ranks holding the same ones, and one MoE
   layer's all-to-all dispatch and combine buffers.
 
-Tensor, pipeline and context parallelism split matrices, layers and sequences that only tfcli's
-own configuration describes so far: refused here in one line.
+- Pipeline parallelism (``pp``, :mod:`tfcli.parallel.pipeline`): the blocks split over stages,
+  each stage's lines as above over its own parameters, with 1F1B's micro-batches in flight.
+
+Tensor and context parallelism split matrices and sequences that only tfcli's own configuration
+describes so far: refused here in one line.
 """
 
 from __future__ import annotations
@@ -39,21 +42,26 @@ WORKING = "activations: backward working set"
 
 
 def refuse_model_splits(par: Parallel) -> None:
-    """Tensor, pipeline and context parallelism are not computed for --model yet."""
-    for key, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
+    """Tensor and context parallelism are not computed for --model yet."""
+    for key, what in (("tp", "tensor"), ("cp", "context")):
         value = getattr(par, key)
         if value > 1:
             raise TfcliError(f"--parallel {key}={value}: {what} parallelism is not computed yet "
-                             f"for --model (data parallel dp=N,zero=0-3 is); drop {key}, or "
-                             f"use tfcli's own configuration (--preset/--config/--set)")
+                             f"for --model (data parallel dp=N,zero=0-3 and pipeline pp=P are); "
+                             f"drop {key}, or use tfcli's own configuration "
+                             f"(--preset/--config/--set)")
 
 
 class TracedModel:
     """A subject's model built once on meta (its units and parameter groups), and plans of it
     at any batch and length, each from a replay (cached: --fit asks again)."""
 
-    def __init__(self, subject, wrap: str | None = None) -> None:
+    def __init__(self, subject, wrap: str | None = None,
+                 probe: dict[str, int] | None = None) -> None:
         self.subject, self.wrap = subject, wrap
+        # the sizes a forward is run at to place modules on pipeline stages without a replay
+        self.probe = probe or {**subject.default_sizes, "B": 1}
+        self._stages: dict[int, list] = {}
         device, abstract = subject.abstract_run("meta")
         with abstract:
             model = subject.build(device)
@@ -68,6 +76,15 @@ class TracedModel:
         self.trainable = sum(g.trainable for g in groups)
         self.shapes = [s for g in groups for s in g.shapes]
         self.trainable_shapes = [s for g in groups for s in g.trainable_shapes]
+
+    def stages(self, pp: int, sizes: dict[str, int] | None = None) -> list:
+        """The model split over ``pp`` pipeline stages (tfcli.parallel.pipeline.split), found
+        by a forward at ``sizes`` (or the probe's) the first time."""
+        from tfcli.parallel.pipeline import split
+
+        if pp not in self._stages:
+            self._stages[pp] = split(self.subject, self.wrap, sizes or self.probe, pp)
+        return self._stages[pp]
 
     def _units_of(self, model):
         return find_units(model, self.wrap).modules
@@ -85,12 +102,22 @@ class TracedModel:
     def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
              dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
              kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast",
-             device: str = "cpu") -> Plan:
+             device: str = "cpu", micro_batches: int | None = None) -> Plan:
         """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
         the activation lines, None only model states and buffers; every line follows the
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
-        loop the replay assumes (tfcli.inspection.memory.LOOPS)."""
+        loop the replay assumes (tfcli.inspection.memory.LOOPS). With pp > 1, the stage that
+        needs the most, ``micro_batches`` (default pp) per step (tfcli.parallel.pipeline)."""
         refuse_model_splits(par)
+        if par.pp > 1:
+            from tfcli.parallel.pipeline import pipeline_plan
+
+            if checkpointing not in CHECKPOINTING:
+                raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
+                                 f"{', '.join(CHECKPOINTING)}")
+            return pipeline_plan(self, par, sizes, checkpointing, dtype, mixed,
+                                 optimizer_states, kernel, loop, precision, device,
+                                 micro_batches)
         ep = self._expert_parallel(par)
         if checkpointing not in CHECKPOINTING:
             raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: "
@@ -98,14 +125,7 @@ class TracedModel:
         sb = policy(precision, dtype, mixed, optimizer_states)
         n, zero = par.shard, par.zero
         check_stage(sb, zero)
-        lines = self._state_lines(n, zero, sb, ep)
-        if self.buffer_numel:
-            # cast with the model (deepspeed, megatron: model.half()), not by FSDP's policy
-            per = sb.weights if sb.name in ("autocast", "fsdp-mixed") else 2
-            lines.append(Line("buffers", self.buffer_numel * per,
-                              f"{sb.tag()} {self.buffer_numel:,} elements × {per} B, on every "
-                              f"rank (FSDP and ZeRO shard parameters, not buffers)",
-                              precision=sb.name))
+        lines = self._state_lines(n, zero, sb, ep) + self._buffer_lines(sb)
         lines += self._communication_lines(n, zero, sb, ep)
         peak, how, per_unit = None, None, 0
         if sizes is not None:
@@ -206,6 +226,15 @@ class TracedModel:
                 lines.append(share(part, trainable, True, "trainable"))
         return lines
 
+    def _buffer_lines(self, sb: Policy) -> list[Line]:
+        if not self.buffer_numel:
+            return []
+        # cast with the model (deepspeed, megatron: model.half()), not by FSDP's policy
+        per = sb.weights if sb.name in ("autocast", "fsdp-mixed") else 2
+        return [Line("buffers", self.buffer_numel * per,
+                     f"{sb.tag()} {self.buffer_numel:,} elements × {per} B, on every rank (FSDP "
+                     f"and ZeRO shard parameters, not buffers)", precision=sb.name)]
+
     def _communication_lines(self, n: int, zero: int, sb: Policy, ep: int = 1) -> list[Line]:
         units = self.experts.rank_units(ep) if ep > 1 else self.units
         out, tag, g = [], sb.tag(), sb.gathered
@@ -247,19 +276,7 @@ class TracedModel:
         saved = [sum(kinds.values()) for kinds in estimate.unit_saved]
         in_units = sum(saved)
         count = len(saved)
-        if checkpointing == "full":
-            kept = estimate.unit_inputs
-            how = "each unit's input (the tensors it is called with), kept; the rest recomputed"
-        elif checkpointing == "selective":
-            kept = [s - kinds.get("attention matrices", 0)
-                    for s, kinds in zip(saved, estimate.unit_saved)]
-            how = ("what each unit saved for backward, less its attention matrices (recomputed)"
-                   if any(kinds.get("attention matrices", 0) for kinds in estimate.unit_saved)
-                   else "what each unit saved for backward: its attention kernel keeps no "
-                        "attention matrices, so selective recomputation saves nothing here")
-        else:
-            kept = saved
-            how = "what each unit saved for backward in the replay"
+        kept, how = kept_per_unit(estimate, checkpointing)
         out = [Line("activations: layers", sum(kept),
                     f"{count} unit(s): {how}" + (f"; largest {max(kept):,} B" if kept else ""),
                     "activations")]
@@ -332,6 +349,22 @@ class TracedModel:
         return Peak(moments[moment], moment, moments, how)
 
 
+def kept_per_unit(estimate, checkpointing: str) -> tuple[list[int], str]:
+    """What each unit keeps for backward under ``checkpointing``, and how, in words."""
+    saved = [sum(kinds.values()) for kinds in estimate.unit_saved]
+    if checkpointing == "full":
+        return (list(estimate.unit_inputs),
+                "each unit's input (the tensors it is called with), kept; the rest recomputed")
+    if checkpointing == "selective":
+        attention = [kinds.get("attention matrices", 0) for kinds in estimate.unit_saved]
+        return ([s - a for s, a in zip(saved, attention)],
+                "what each unit saved for backward, less its attention matrices (recomputed)"
+                if any(attention) else
+                "what each unit saved for backward: its attention kernel keeps no attention "
+                "matrices, so selective recomputation saves nothing here")
+    return saved, "what each unit saved for backward in the replay"
+
+
 def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              micro_batches: int | None, sizes_at,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
@@ -347,21 +380,19 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
 
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     refuse_model_splits(par)
-    if micro_batches is not None:
-        raise TfcliError(f"--micro-batches {micro_batches}: micro-batches in flight matter to "
-                         f"pipeline stages, which are not computed yet for --model")
-    check_request(par, fit_what, device_memory, seq_len, None, dtype, mixed)
+    check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     if fit_what == "seq-len" and not subject.length_dims():
         raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
                          "sizes are fixed); use --fit batch")
     capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
-    traced = TracedModel(subject, wrap)
+    traced = TracedModel(subject, wrap, sizes_at(1, seq_len or subject.default_sizes["L"]))
     positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
     limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
 
     def at(b: int, s: int | None) -> Plan:
         return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
-                           dtype, mixed, optimizer_states, kernel, loop, precision, device)
+                           dtype, mixed, optimizer_states, kernel, loop, precision, device,
+                           micro_batches)
 
     found = bound = None
     step = 1

@@ -1,0 +1,234 @@
+"""Pipeline parallelism for any subject (issue 20): each stage's parameters against a manual
+split made as torch.distributed.pipelining's documentation makes one (the modules a stage does
+not run deleted from a copy of the model, the rest counted by their own numel), and the
+micro-batches each stage holds against torch's own Schedule1F1B, run with stages that only
+count."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tfcli.parallel.pipeline import in_flight
+
+# --- the micro-batches in flight: torch's Schedule1F1B ------------------------------------------
+
+
+class _CountingStage:
+    """Stands in for a PipelineStage under torch's Schedule1F1B: nothing to send or receive,
+    no loss; each forward adds a micro-batch held, each backward frees one."""
+
+    def __init__(self, index: int, stages: int) -> None:
+        self.stage_index, self.num_stages = index, stages
+        self.is_first, self.is_last = index == 0, False
+        self.held = self.most = 0
+
+    def get_fwd_recv_ops(self, chunk):
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, chunk, args, kwargs=None, save_forward_output=True):
+        self.held += 1
+        self.most = max(self.most, self.held)
+
+    def backward_one_chunk(self, chunk, loss=None, last_backward=False):
+        self.held -= 1
+
+    def perform_reduce_grad(self, scale):
+        pass
+
+
+def _torch_1f1b(stages: int, micro_batches: int) -> tuple[list[int], list[int]]:
+    """Per stage, the most micro-batches forwarded and not yet backwarded: by running torch's
+    Schedule1F1B._step_microbatches, and by walking its own action list (pipeline_order)."""
+    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    ran, listed = [], []
+    for s in range(stages):
+        stage = _CountingStage(s, stages)
+        schedule = Schedule1F1B(stage, micro_batches)
+        schedule._initialize_stage = lambda *args, **kwargs: None  # no shapes to exchange
+        schedule._step_microbatches()
+        assert stage.held == 0
+        ran.append(stage.most)
+        held = most = 0
+        for action in filter(None, schedule.pipeline_order[s]):  # None: an idle step
+            held += ((action.computation_type == Kind.FORWARD)
+                     - (action.computation_type == Kind.FULL_BACKWARD))
+            most = max(most, held)
+        listed.append(most)
+    return ran, listed
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 9)])
+def test_micro_batches_in_flight_are_torch_schedule_1f1b(stages, micro_batches):
+    ran, listed = _torch_1f1b(stages, micro_batches)
+    ours = [in_flight(stages, s, micro_batches) for s in range(stages)]
+    assert ours == ran == listed
+    assert ours[0] == max(ours)  # the first stage holds the most
+
+
+# --- the split: a manual split's own parameter counts -------------------------------------------
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 5, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    """A tiny Transformers Llama with untied and with tied embeddings: the hf: folder of
+    each, and the model Transformers builds from it on meta."""
+    import torch
+    import transformers
+
+    out = {}
+    for tied in (False, True):
+        folder = tmp_path_factory.mktemp(f"llama-tied-{tied}")
+        (folder / "config.json").write_text(json.dumps({**LLAMA, "tie_word_embeddings": tied}))
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        out[tied] = (folder, model)
+    return out
+
+
+def _manual_stage(model, blocks: list[int], first: bool, last: bool):
+    """A stage as torch.distributed.pipelining's manual split builds one from the whole
+    model: the blocks it does not run deleted, the embeddings on the first stage only, the
+    final norm and the head on the last only."""
+    from torch import nn
+
+    stage = copy.deepcopy(model)  # keeps tied parameters tied
+    stage.model.layers = nn.ModuleList(stage.model.layers[i] for i in blocks)
+    if not first:
+        stage.model.embed_tokens = None
+    if not last:
+        stage.model.norm = None
+        stage.lm_head = None
+    return stage
+
+
+def _plan(cli, *args: str) -> dict:
+    result = cli("params", *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_stage_parameters_are_a_manual_splits(cli, llamas, tied, pp):
+    folder, model = llamas[tied]
+    data = _plan(cli, "--model", f"hf:{folder}", "--parallel", f"pp={pp}")
+    stages = data["conditions"]["pipeline"]["stages"]
+    assert len(stages) == pp
+    indices = [[int(path.rsplit(".", 1)[1]) for path in st["blocks"]] for st in stages]
+    assert [i for blocks in indices for i in blocks] == list(range(LLAMA["num_hidden_layers"]))
+    assert max(map(len, indices)) - min(map(len, indices)) <= 1  # as even as can be
+    for s, (st, blocks) in enumerate(zip(stages, indices)):
+        stage = _manual_stage(model, blocks, s == 0, s == pp - 1)
+        assert st["parameters"] == sum(p.numel() for p in stage.parameters()), s
+    assert "model.embed_tokens" in stages[0]["outside_blocks"]
+    assert "lm_head" in stages[-1]["outside_blocks"] and "model.norm" in stages[-1][
+        "outside_blocks"]
+    # the weights line of the stage shown: 4 B per parameter (fp32)
+    weights = next(line for line in data["memory"] if line["name"] == "weights")
+    assert weights["bytes"] == 4 * stages[data["stage"]]["parameters"]
+
+
+USER_MODULE = '''
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=32, n=4, vocab=40):
+        super().__init__()
+        self.head = nn.Linear(d, vocab)  # registered first, called last
+        self.embed = nn.Embedding(vocab, d)
+        self.head.weight = self.embed.weight  # tied
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+build = Net
+'''
+
+
+@pytest.fixture
+def net(tmp_path):
+    (tmp_path / "net.py").write_text(USER_MODULE)
+    return ["--model", f"{tmp_path}/net.py:build", "--input", "tokens=int64[B,L]"]
+
+
+def _user_net():
+    """The user module's model, built by its own code."""
+    scope: dict = {}
+    exec(USER_MODULE, scope)
+    return scope["Net"]()
+
+
+def test_a_user_modules_stages_follow_the_forward_not_the_registration(cli, net):
+    """The head is registered before the blocks but called after them: it is on the last
+    stage, with its weight tied to the embedding's (a copy on the first stage and the last),
+    and the micro-batches in flight are torch's Schedule1F1B's."""
+    from torch import nn
+
+    pp, m = 2, 3
+    data = _plan(cli, *net, "--parallel", f"pp={pp}", "--micro-batches", str(m),
+                 "--seq-len", "8", "--batch-size", "2")
+    stages = data["conditions"]["pipeline"]["stages"]
+    assert stages[0]["outside_blocks"] == ["embed"]
+    assert stages[1]["outside_blocks"] == ["head", "norm"]
+    model = _user_net()
+    first = nn.ModuleList([model.embed, *model.blocks[:2]])
+    last = nn.ModuleList([*model.blocks[2:], model.norm, model.head])
+    assert [st["parameters"] for st in stages] == [
+        sum(p.numel() for p in first.parameters()), sum(p.numel() for p in last.parameters())]
+    assert [st["in_flight"] for st in stages] == _torch_1f1b(pp, m)[0]
+    # the first stage holds two micro-batches' activations of its blocks, the last one
+    lines = [{line["name"]: line["bytes"] for line in st["memory"]} for st in stages]
+    assert lines[0]["activations: layers"] == 2 * lines[1]["activations: layers"]
+    assert "activations: before the blocks" in lines[0]
+    assert {"activations: after the blocks", "activations: backward working set"} <= \
+        lines[1].keys()
+    assert data["stage"] == max(range(pp), key=lambda s: stages[s]["peak_bytes"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--parallel", "pp=5"], "--parallel pp=5: more stages than the model's 4 blocks"),
+    (["--parallel", "pp=2", "--wrap", "Embedding"], "--parallel pp=2: more stages than the "
+                                                     "model's 1 blocks"),
+    (["--parallel", "pp=2,cp=2"], "--parallel pp=2,cp=2: cp=2 splits the model itself"),
+])
+def test_what_cannot_be_split_is_refused_in_one_line(cli, net, extra, message):
+    result = cli("params", *net, *extra)
+    assert result.exit_code == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_without_a_block_list_is_refused(cli, tmp_path):
+    (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(3, 4)\n")
+    result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "pp=2")
+    assert result.exit_code == 2
+    assert "--parallel pp=2: the model has no repeated blocks to split into stages" \
+        in result.stderr and len(result.stderr.strip().splitlines()) == 1

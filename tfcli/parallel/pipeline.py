@@ -1,0 +1,308 @@
+"""Pipeline parallelism (``--parallel pp=P``) for any subject — a user's ``nn.Module``, a
+Transformers model — from its built module tree and the fake-tensor replay, not from tfcli's
+configuration fields (those are :mod:`tfcli.parallel.plan`'s).
+
+- Stages: the blocks (the wrap units of :mod:`tfcli.parallel.units`, the largest ModuleList's)
+  are split over P stages in order, as evenly as possible: the first L mod P stages hold one
+  block more. A module outside the blocks goes where the forward calls it: before the first
+  block, the first stage (embeddings); after the last, the last stage (final norm, head); inside
+  a block's forward, that block's stage. This is the layout of torch.distributed.pipelining's
+  manual split and of Megatron-LM. A parameter is on every stage holding a module that owns it:
+  tied input and output embeddings are a copy on the first and on the last stage (as Megatron-LM
+  keeps them, and as a manual split that deletes what a stage does not run leaves them). Modules
+  outside the blocks that hold buffers only (rotary tables) are on every stage: each stage makes
+  what its blocks are called with besides the hidden state.
+- In flight: under 1F1B (torch's Schedule1F1B, Megatron-LM's schedule without interleaving)
+  stage s runs min(P - s, M) forwards before its first backward, then one forward per backward:
+  it keeps min(P - s, M) micro-batches' activations, the first stage the most.
+- Activations: one replay of the whole model at the micro-batch, each saved tensor attributed to
+  its block, to before the first block or to after it; a stage keeps its blocks' for each
+  micro-batch in flight, the first stage also what ran before the blocks, the last stage what ran
+  after them (head, loss) and backward's working set. A stage but the last keeps its output for
+  each micro-batch in flight until that micro-batch's backward, as torch.distributed.pipelining's
+  PipelineStage does (Megatron-LM frees the output's data once sent). Every stage has one
+  activation and one gradient in transit to or from its neighbours: what a block past the first
+  is called with (the hidden state).
+- Model states, buffers and the ZeRO/FSDP lines: :mod:`tfcli.parallel.traced`'s over the
+  stage's parameters, sharded over the data-parallel ranks (FSDP units: the stage's blocks and
+  its other parameters as the root).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from tfcli.errors import TfcliError
+from tfcli.parallel.layout import Line, Parallel, stage_sizes
+from tfcli.parallel.plan import Plan, step_peak
+from tfcli.parallel.precision import Policy, check_stage, policy
+from tfcli.parallel.traced import WORKING, kept_per_unit
+from tfcli.parallel.units import Group, Units, find_units, group, shard_numel
+
+SCHEDULE = ("1F1B (torch.distributed.pipelining's Schedule1F1B, Megatron-LM's schedule without "
+            "interleaving): stage s keeps min(P - s, M) micro-batches in flight")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline stage holds: its blocks (indices into the units and paths), the
+    modules outside the blocks it runs, its parameters as FSDP units, its buffers and the most
+    parameters one of its modules holds itself (DeepSpeed ZeRO-3's unit)."""
+    index: int
+    blocks: tuple[int, ...]
+    block_paths: tuple[str, ...]
+    holds: tuple[str, ...]
+    units: Units
+    buffer_numel: int
+    largest_module: int
+
+    @property
+    def groups(self) -> list[Group]:
+        return [*self.units.groups, self.units.root]
+
+    def blocks_text(self) -> str:
+        first, last = self.block_paths[0], self.block_paths[-1]
+        return first if len(self.blocks) == 1 else f"{first} … {last} ({len(self.blocks)})"
+
+    def record(self) -> dict:
+        return {"stage": self.index, "blocks": list(self.block_paths),
+                "outside_blocks": list(self.holds),
+                "parameters": sum(g.numel for g in self.groups),
+                "trainable": sum(g.trainable for g in self.groups),
+                "buffer_elements": self.buffer_numel}
+
+
+def in_flight(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``pp`` holds at once under 1F1B."""
+    return min(pp - stage, micro_batches)
+
+
+def split(subject, wrap: str | None, sizes: dict[str, int], pp: int) -> list[Stage]:
+    """The stages of ``subject``'s model over ``pp`` (see the module's docstring): built and run
+    once on meta (or fake tensors) at ``sizes`` to see where the modules outside the blocks
+    are called."""
+    import torch
+
+    from tfcli.subjects.base import running
+
+    device, abstract = subject.abstract_run("meta")
+    with abstract:
+        model = subject.build(device)
+        units = find_units(model, wrap)
+        blocks = units.modules
+        if not blocks:
+            raise TfcliError(f"--parallel pp={pp}: the model has no repeated blocks to split "
+                             f"into stages ({units.how}); give --wrap CLASS to name its "
+                             f"blocks, or drop pp")
+        if len(blocks) < pp:
+            raise TfcliError(f"--parallel pp={pp}: more stages than the model's {len(blocks)} "
+                             f"blocks ({units.how}); use pp of at most {len(blocks)}")
+        stage_of = [s for s, n in enumerate(stage_sizes(len(blocks), pp)) for _ in range(n)]
+        path_of = {id(m): path for path, m in model.named_modules()}
+        block_paths = [path_of[id(b)] for b in blocks]
+        prefixes = tuple(p + "." for p in block_paths)
+        outside = [(path, m) for path, m in model.named_modules()
+                   if path not in block_paths and not path.startswith(prefixes)
+                   and (any(True for _ in m.parameters(recurse=False))
+                        or any(True for _ in m.buffers(recurse=False)))]
+        where: dict[str, set[int]] = {path: set() for path, _ in outside}
+        at = {"block": None, "done": -1}  # the block running; the last one that returned
+
+        def entered(i: int):
+            def hook(module, args):
+                at["block"] = i
+            return hook
+
+        def returned(i: int):
+            def hook(module, args, output):
+                at["block"], at["done"] = None, i
+            return hook
+
+        def called(path: str):
+            def hook(module, args):
+                i, done = at["block"], at["done"]
+                where[path].add(stage_of[i] if i is not None else 0 if done < 0 else
+                                pp - 1 if done == len(blocks) - 1 else stage_of[done + 1])
+            return hook
+
+        handles = [h for i, b in enumerate(blocks)
+                   for h in (b.register_forward_pre_hook(entered(i)),
+                             b.register_forward_hook(returned(i)))]
+        handles += [m.register_forward_pre_hook(called(path)) for path, m in outside]
+        try:
+            with running(model, during="placing the modules outside the blocks on pipeline "
+                                       "stages"), torch.no_grad():
+                subject.make_inputs(model, sizes, device)(model)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [_stage(s, pp, blocks, block_paths, stage_of, outside, where)
+                for s in range(pp)]
+
+
+def _stage(s: int, pp: int, blocks, block_paths, stage_of, outside, where) -> Stage:
+    mine = tuple(i for i, st in enumerate(stage_of) if st == s)
+    held = []
+    for path, module in outside:
+        owns = any(True for _ in module.parameters(recurse=False))
+        if not owns or s in where[path] or (not where[path] and s == 0):
+            held.append((path or "(model)", module,
+                         "" if where[path] or not owns else " (not called: placed first)"))
+    seen: set[int] = set()
+    groups = [group(block_paths[i], blocks[i].parameters(), seen) for i in mine]
+    root = group("root", (p for _, m, _ in held for p in m.parameters(recurse=False)), seen)
+    buffers: dict[int, int] = {}
+    for i in mine:
+        buffers.update((id(b), b.numel()) for b in blocks[i].buffers())
+    for _, module, _ in held:
+        buffers.update((id(b), b.numel()) for b in module.buffers(recurse=False))
+    own = [sum(p.numel() for p in m.parameters(recurse=False))
+           for i in mine for m in blocks[i].modules()]
+    own += [sum(p.numel() for p in m.parameters(recurse=False)) for _, m, _ in held]
+    how = (f"stage {s} of {pp}: {len(mine)} block(s), {block_paths[mine[0]]}"
+           + (f" … {block_paths[mine[-1]]}" if len(mine) > 1 else ""))
+    units = Units([blocks[i] for i in mine], groups, root, how)
+    return Stage(s, mine, tuple(block_paths[i] for i in mine),
+                 tuple(path + note for path, _, note in held), units, sum(buffers.values()),
+                 max(own, default=0))
+
+
+def _view(traced, stage: Stage):
+    """``traced`` (a TracedModel) as if its model were the stage: its lines then describe the
+    stage's parameters, buffers and units."""
+    view = copy.copy(traced)
+    groups = stage.groups
+    view.units = stage.units
+    view.numel = sum(g.numel for g in groups)
+    view.trainable = sum(g.trainable for g in groups)
+    view.shapes = [s for g in groups for s in g.shapes]
+    view.trainable_shapes = [s for g in groups for s in g.trainable_shapes]
+    view.buffer_numel = stage.buffer_numel
+    view.largest_module = stage.largest_module
+    view.experts = None
+    return view
+
+
+def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpointing: str,
+                  dtype: str, mixed: str | None, optimizer_states: int, kernel: str,
+                  loop: str, precision: str, device: str,
+                  micro_batches: int | None) -> Plan:
+    """Every stage's memory of one training step (``sizes``: B and the lengths at the
+    micro-batch; None: model states and buffers only), and the stage that needs the most as
+    the plan's lines; each stage's figures under conditions["pipeline"]."""
+    if par.ep > 1:
+        raise TfcliError(f"--parallel pp={par.pp},ep={par.ep}: pipeline and expert parallelism "
+                         f"together are not computed for --model yet; drop one of them")
+    m = micro_batches if micro_batches is not None else par.pp
+    if m < 1:
+        raise TfcliError(f"--micro-batches {m}: must be a positive integer")
+    sb = policy(precision, dtype, mixed, optimizer_states)
+    n, zero, pp = par.shard, par.zero, par.pp
+    check_stage(sb, zero)
+    stages = traced.stages(pp, sizes)
+    estimate = how = None
+    if sizes is not None:
+        estimate, how = traced.replay(tuple(sorted(sizes.items())), sb.run_dtype, sb.autocast,
+                                      kernel, loop, device)
+    results, peaks = [], []
+    for st in stages:
+        view = _view(traced, st)
+        lines = view._state_lines(n, zero, sb)
+        lines[0].how = (f"stage {st.index} of {pp}: blocks {st.blocks_text()}"
+                        + (f", and {', '.join(st.holds)}" if st.holds else "") + "; "
+                        + lines[0].how)
+        lines += view._buffer_lines(sb) + view._communication_lines(n, zero, sb)
+        kept = 0
+        if estimate is not None:
+            act, kept = _activation_lines(st, estimate, pp, m, checkpointing, sb)
+            lines += act
+            largest = st.units.largest
+            unit = (st.largest_module if sb.name == "deepspeed"
+                    else largest.trainable if largest else 0)
+            shard = shard_numel(largest.trainable_shapes, n) if largest else 0
+            peaks.append(step_peak(lines, kept, True,
+                                   unit * sb.unit_grads if zero == 3 else 0,
+                                   shard * sb.grads if zero == 3 else 0))
+        results.append(lines)
+    totals = [sum(line.bytes for line in lines) for lines in results]
+    need = [p.bytes for p in peaks] if peaks else totals
+    worst = max(range(pp), key=need.__getitem__)
+    view = _view(traced, stages[worst])
+    records = [st.record() | {"in_flight": in_flight(pp, st.index, m), "total_bytes": total,
+                              "peak_bytes": peaks[st.index].bytes if peaks else None,
+                              "memory": [line.record() for line in lines]}
+               for st, total, lines in zip(stages, totals, results)]
+    conditions = {"micro_batch": sizes.get("B") if sizes else None, "sizes": sizes,
+                  "seq_len": None, "seq_len_per_rank": None, "micro_batches": m,
+                  "checkpointing": checkpointing, "dtype": dtype, "mixed_precision": mixed,
+                  "precision": sb.name, "state_bytes": sb.how, "sharded_over": n,
+                  "attention_kernel": kernel, "replayed_as": device, "activations": how,
+                  "loop": loop if sizes is not None else None,
+                  "wrap_units": traced.units.how, "expert_parallel": None,
+                  "model_states_by_zero": [
+                      {"zero": z, "bytes": sum(line.bytes for line in view._state_lines(n, z, sb))}
+                      for z in range(4)],
+                  "model_states_from": f"the built model: {traced.numel:,} parameters "
+                                       f"({traced.trainable:,} trainable); stage {worst} holds "
+                                       f"{view.numel:,}",
+                  "pipeline": {"stages": records, "worst": worst, "schedule": SCHEDULE,
+                               "split": "blocks in order, the first L mod P stages one more; "
+                                        "modules outside the blocks where the forward calls "
+                                        "them (before the blocks: the first stage, after: the "
+                                        "last), those with buffers only on every stage"}}
+    return Plan(par, worst, results[worst], [], totals, conditions,
+                peaks[worst] if peaks else None)
+
+
+def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
+                      sb: Policy) -> tuple[list[Line], int]:
+    """The stage's activation lines and one block's kept bytes (for the peak's moments)."""
+    flight = in_flight(pp, st.index, m)
+    every, how = kept_per_unit(estimate, checkpointing)
+    kept = [every[i] for i in st.blocks]
+    saved = [sum(estimate.unit_saved[i].values()) for i in st.blocks]
+    why = f"min(P - s, M) = min({pp} - {st.index}, {m})"
+    out = [Line("pipeline send/recv", 2 * _handed_over(st, estimate, pp),
+                f"{sb.tag()} one activation and one gradient in transit to or from the "
+                f"neighbouring stages: 2 × what a block past the first is called with in the "
+                f"replay (the hidden state)", "communication", sb.name),
+           Line("activations: layers", flight * sum(kept),
+                f"{len(kept)} block(s) × {flight} micro-batch(es) in flight ({why}): {how}; "
+                f"largest {max(kept):,} B per micro-batch", "activations")]
+    if checkpointing == "full":
+        out.append(Line("activations: recomputed layer", max(saved),
+                        "the stage's largest block's activations while it is recomputed for "
+                        "backward", "activations"))
+    if st.index < pp - 1:
+        out.append(Line("activations: stage outputs", flight * _handed_over(st, estimate, pp),
+                        f"the stage's output (the hidden state) of each of {flight} "
+                        f"micro-batch(es) in flight, kept for its backward as "
+                        f"torch.distributed.pipelining's PipelineStage keeps it (fwd_cache; "
+                        f"Megatron-LM frees its data once sent: deallocate_pipeline_outputs)",
+                        "activations"))
+    before = sum(estimate.before_units.values())
+    if st.index == 0:
+        out.append(Line("activations: before the blocks", flight * before,
+                        f"what ran before the first block (embeddings) saved for backward, × "
+                        f"{flight} micro-batch(es) in flight", "activations"))
+    if st.index == pp - 1:
+        in_units = sum(sum(kinds.values()) for kinds in estimate.unit_saved)
+        outside = sum(estimate.saved_bytes.values()) - in_units
+        out.append(Line("activations: after the blocks", flight * (outside - before),
+                        f"what ran after the last block (final norm, head, loss) saved for "
+                        f"backward, × {flight} micro-batch(es) in flight", "activations"))
+        out.append(Line(WORKING, max(estimate.peak_bytes - in_units - outside, 0),
+                        "the replay's peak less every saved tensor: gradients in flight where "
+                        "backward starts (the loss's and the head's)"
+                        + (f"; {estimate.held_output:,} B of it the model's output, held by "
+                           f"the keep-output loop" if estimate.held_output else ""),
+                        "activations"))
+    return out, max(kept)
+
+
+def _handed_over(st: Stage, estimate, pp: int) -> int:
+    """What the stage sends on (or, the last, receives): the tensors the next stage's first
+    block (or its own) is called with that no earlier block was — the hidden state."""
+    following = st.blocks[-1] + 1 if st.index < pp - 1 else st.blocks[0]
+    return estimate.unit_inputs[following]
