@@ -232,3 +232,29 @@ def test_a_model_without_a_block_list_is_refused(cli, tmp_path):
     assert result.exit_code == 2
     assert "--parallel pp=2: the model has no repeated blocks to split into stages" \
         in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_encoder_decoders_other_stack_runs_before_the_blocks(cli):
+    """The tutorial encoder-decoder's blocks are its decoder layers (the largest ModuleList);
+    its encoder runs before them, so the first stage holds all of it, named once."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch import nn
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tutorial_transformer.py"
+    data = _plan(cli, "--model", f"{path}:build", "--input", "src=int64[B,S]", "--input",
+                 "tgt=int64[B,T]", "--parallel", "pp=2")
+    stages = data["conditions"]["pipeline"]["stages"]
+    assert stages[0]["outside_blocks"] == ["src_embed", "tgt_embed", "encoder", "enc_norm"]
+    assert stages[1]["outside_blocks"] == ["src_embed (buffers)", "tgt_embed (buffers)",
+                                           "dec_norm", "generator"]
+    spec = importlib.util.spec_from_file_location("tutorial_transformer", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.build()
+    first = nn.ModuleList([model.src_embed, model.tgt_embed, model.encoder, model.enc_norm,
+                           model.decoder[0]])
+    last = nn.ModuleList([model.decoder[1], model.dec_norm, model.generator])
+    assert [st["parameters"] for st in stages] == [
+        sum(p.numel() for p in first.parameters()), sum(p.numel() for p in last.parameters())]

@@ -164,8 +164,30 @@ def _stage(s: int, pp: int, blocks, block_paths, stage_of, outside, where) -> St
            + (f" … {block_paths[mine[-1]]}" if len(mine) > 1 else ""))
     units = Units([blocks[i] for i in mine], groups, root, how)
     return Stage(s, mine, tuple(block_paths[i] for i in mine),
-                 tuple(path + note for path, _, note in held), units, sum(buffers.values()),
-                 max(own, default=0))
+                 _named(held, [path for path, _ in outside], block_paths), units,
+                 sum(buffers.values()), max(own, default=0))
+
+
+def _named(held, outside: list[str], block_paths: list[str]) -> tuple[str, ...]:
+    """The modules outside the blocks a stage holds, in few words: each under the outermost
+    module none of whose blocks or other modules it lacks (the whole ``model.encoder`` of an
+    encoder-decoder whose decoder layers are the blocks, not each of its layers' linears);
+    "(buffers)" where that is all they hold."""
+    here = {path or "(model)" for path, _, _ in held}
+    out: dict[str, bool] = {}  # name: buffers only
+    for path, module, note in held:
+        name = path or "(model)"
+        parts = path.split(".") if path else []
+        for n in range(1, len(parts)):
+            top = ".".join(parts[:n])
+            under = [p for p in outside if p == top or p.startswith(top + ".")]
+            if not any(b.startswith(top + ".") for b in block_paths) and \
+                    all(p in here for p in under):
+                name = top
+                break
+        only = not any(True for _ in module.parameters(recurse=False))
+        out[name + note] = out.get(name + note, True) and only
+    return tuple(name + (" (buffers)" if only else "") for name, only in out.items())
 
 
 def _view(traced, stage: Stage):
