@@ -46,6 +46,12 @@ LOOP_WORDS = {"loss-only": "loop keeps only the loss: the model's output is free
                              "loss_fn(out).backward()) until the step ends"}
 
 
+def storage_of(t: Tensor):
+    """The storage ``t``'s bytes live in on this rank: a DTensor's (tensor parallelism) local
+    shard's, whose size is the rank's, not the wrapper's, which reports the global size."""
+    return getattr(t, "_local_tensor", t).untyped_storage()
+
+
 def _output_bytes(output, skip: set[int]) -> int:
     """Bytes of the distinct storages of the tensors in ``output`` whose storage is not in
     ``skip``: what holding the output keeps alive beyond what is kept anyway."""
@@ -55,9 +61,9 @@ def _output_bytes(output, skip: set[int]) -> int:
         leaves = list(output.values()) if hasattr(output, "values") else \
             list(output) if isinstance(output, (tuple, list)) else [output]
     for t in leaves:
-        if isinstance(t, Tensor) and id(t.untyped_storage()) not in seen:
-            seen.add(id(t.untyped_storage()))
-            total += t.untyped_storage().nbytes()
+        if isinstance(t, Tensor) and id(storage_of(t)) not in seen:
+            seen.add(id(storage_of(t)))
+            total += storage_of(t).nbytes()
     return total
 
 
@@ -68,7 +74,7 @@ class _LiveStorages(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen = {id(t.untyped_storage()) for t in existing}  # weights, buffers, inputs
+        self._seen = {id(storage_of(t)) for t in existing}  # weights, buffers, inputs
 
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
@@ -78,7 +84,7 @@ class _LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
-                storage = t.untyped_storage()
+                storage = storage_of(t)
                 key = id(storage)
                 if key not in self._seen:  # a view of a live storage allocates nothing
                     self._seen.add(key)
@@ -110,7 +116,7 @@ class _SavedTensors:
         # id(storage) -> (bytes, last two dims). Holding the storage objects themselves would
         # keep their memory alive through backward and inflate the peak being measured.
         self.by_storage: dict[int, tuple[int, tuple | None]] = {}
-        self._existing = {id(t.untyped_storage()) for t in existing}
+        self._existing = {id(storage_of(t)) for t in existing}
         self.ops: list = []  # what the model did; an op is known as attention only later
         self.owner: int | None = None  # the unit running now (see simulate_training_step)
         self.owners: dict[int, int] = {}  # id(storage) -> the unit that saved it first
@@ -121,7 +127,7 @@ class _SavedTensors:
             self.ops.append(op)
 
     def pack(self, t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         if id(storage) not in self._existing and id(storage) not in self.by_storage:
             tail = (tuple(t.shape[-2:]), t.numel()) if t.dim() >= 3 else None
             self.by_storage[id(storage)] = (storage.nbytes(), tail)
@@ -159,10 +165,10 @@ def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int])
             saved.units_began = True
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, Tensor) and t.is_floating_point():
-                    key = id(t.untyped_storage())
+                    key = id(storage_of(t))
                     if key not in seen:
                         seen.add(key)
-                        inputs[index] += t.untyped_storage().nbytes()
+                        inputs[index] += storage_of(t).nbytes()
         return hook
 
     def leave(module, args, output):

@@ -14,7 +14,8 @@ from tfcli.errors import TfcliError, did_you_mean
 @dataclass(frozen=True)
 class Group:
     """The parameters of one unit (or the root): elements, trainable elements, and each
-    parameter's shape (FSDP2 shards a parameter by its first dimension)."""
+    parameter's shape (FSDP2 shards a parameter by its first dimension); of a model split by
+    tensor parallelism, one rank's local shards."""
     name: str
     numel: int
     trainable: int
@@ -109,11 +110,12 @@ def group(name: str, parameters, seen: set[int]) -> Group:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        shapes.append(tuple(p.shape))
-        numel += p.numel()
+        local = getattr(p, "_local_tensor", p)  # a tensor-parallel DTensor: this rank's share
+        shapes.append(tuple(local.shape))
+        numel += local.numel()
         if p.requires_grad:
-            trainable_shapes.append(tuple(p.shape))
-            trainable += p.numel()
+            trainable_shapes.append(tuple(local.shape))
+            trainable += local.numel()
     return Group(name, numel, trainable, tuple(shapes), tuple(trainable_shapes))
 
 
