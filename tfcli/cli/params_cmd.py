@@ -131,6 +131,12 @@ def _model_split(v, keys: tuple[str, ...] = ("tp", "pp", "cp")) -> str | None:
     return next((f"{key}={getattr(par, key)}" for key in keys if getattr(par, key) > 1), None)
 
 
+def _tensor_ranks(v) -> int:
+    from tfcli.parallel.layout import parse_parallel
+
+    return parse_parallel(v.parallel).tp if v.parallel is not None else 1
+
+
 def _rank_timeline(v) -> str | None:
     """Why --timeline cannot draw the rank that the per-rank options ask for (None: it can,
     or they ask for none): one rank of FSDP data parallelism, one micro-batch, no
@@ -166,10 +172,15 @@ RULES = Rules(
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
     Rule("parallel", Needs(
-        lambda v: v.model_ref is None or v.unsplit is None, "tp, cp: not with --model",
+        lambda v: v.model_ref is None or v.unsplit is None, "cp: not with --model",
         "{option} {value}: {v.unsplit} splits the model itself, which is computed for "
         "tfcli's own configuration only (--preset/--config/--set); for --model, data "
-        "parallelism (dp=N,zero=0-3) and pipeline stages (pp=P) are")),
+        "parallelism (dp=N,zero=0-3), pipeline stages (pp=P) and tensor parallelism (tp=T) "
+        "are")),
+    Rule("tp_plan", any_model("{option} applies to --model; tfcli's own model splits its "
+                              "attention and FFN matrices as Megatron-LM does"),
+         Needs(lambda v: v.tensor_ranks > 1, "only with --parallel tp=T",
+               "splits the model over tensor-parallel ranks: add tp=T (T > 1) to --parallel")),
     Rule("micro_batches", Needs(
         lambda v: v.pipelined, "only with pp=P in --parallel",
         "{option} {value}: micro-batches in flight matter to pipeline stages; add pp=P to "
@@ -248,8 +259,9 @@ RULES = Rules(
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
-             "unsplit": lambda v: _model_split(v, ("tp", "cp")),
+             "unsplit": lambda v: _model_split(v, ("cp",)),
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
+             "tensor_ranks": _tensor_ranks,
              "rank_timeline": lambda v: _rank_timeline(v),
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
@@ -338,6 +350,13 @@ def params(
         "--wrap", metavar="CLASS", show_default=False,
         help="FSDP wrap units for a --model's per-rank plan: every outermost module of this "
              "class (default: the blocks of the model's largest ModuleList).")] = None,
+    tp_plan: Annotated[Optional[str], typer.Option(
+        "--tp-plan", metavar="GLOB=colwise|rowwise,...", show_default=False,
+        help="Tensor-parallel plan for a --model with --parallel tp=T: fnmatch globs on module "
+             "paths and how torch splits each nn.Linear/nn.Embedding (colwise: output "
+             "features, rowwise: input features), e.g. 'blocks.*.fc1=colwise,"
+             "blocks.*.fc2=rowwise'; default: a Transformers model's own plan "
+             "(base_model_tp_plan).")] = None,
     decode_steps: Annotated[Optional[int], typer.Option(
         min=1, max=4096, show_default=False,
         help="Decode steps after the prefill in a --inference --timeline (default 8).")] = None,
@@ -425,7 +444,7 @@ def params(
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
                                lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
-                               loop.value, prec, device=device.value)
+                               loop.value, prec, device=device.value, tp_plan=tp_plan)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

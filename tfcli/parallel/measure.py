@@ -19,9 +19,10 @@ from tfcli.model.config import Config
 
 
 @contextlib.contextmanager
-def _fake_world(world: int):
+def _fake_world(world: int, shape: tuple[int, int] | None = None):
     """torch.distributed's fake process group of ``world`` ranks in this process (this one
-    rank 0), and its one-dimensional device mesh; torn down afterwards."""
+    rank 0), and its one-dimensional device mesh (``shape``: a (dp, tp) mesh of them, its
+    dimensions named so); torn down afterwards."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -31,7 +32,8 @@ def _fake_world(world: int):
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         # The mesh reads its rank table with .tolist(): build it before fake tensors exist.
-        yield init_device_mesh("cpu", (world,))
+        yield (init_device_mesh("cpu", (world,)) if shape is None else
+               init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")))
     finally:
         dist.destroy_process_group()
 
@@ -160,3 +162,97 @@ def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> 
                    for layer in layers]
             del loss
         return out
+
+
+@contextlib.contextmanager
+def _concatenated_meshes_outside_fake():
+    """FSDP2 over a tensor-parallel model joins the data- and tensor-parallel meshes
+    (DeviceMesh._concatenate), which reads the rank table as values: done outside fake
+    tensors, as building the mesh is."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh.__dict__["_concatenate"]
+
+    def outside(meshes):
+        with unset_fake_temporarily():
+            return concatenate.__func__(meshes)
+
+    DeviceMesh._concatenate = staticmethod(outside)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = concatenate
+
+
+def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str | None = None,
+                           dp: int = 1) -> dict[str, dict]:
+    """torch's tracker's snapshots of rank 0 of ``dp`` × ``t`` fake ranks running a training
+    step (Adam) of any subject, split by torch's ``parallelize_module`` with the plan
+    tfcli.parallel.tensor resolves (the Transformers model's own, or ``tp_plan``): with
+    ``dp`` = 1 MemTracker; else, on a dp × tp mesh, FSDP2 ``fully_shard`` over the dp ranks
+    on the units tfcli finds and the root, under FSDPMemTracker. The second step is tracked
+    alone: the first creates the optimizer state, and DTensor's first calls keep temporaries
+    the later ones do not. ``after_backward`` (gradients present), ``peak``, ``largest`` (each
+    category's largest figure in any module's snapshots) and ``units`` (what each wrap unit's
+    forward added to the activations). torch's figures, which the tests hold the
+    tensor-parallel plan to."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    from tfcli.parallel.tensor import TensorParallelModel
+    from tfcli.parallel.units import find_units
+
+    split = TensorParallelModel.__new__(TensorParallelModel)  # the plan alone: no replay
+    split.subject, split.t, split.tp_plan_text, split.wrap = subject, t, tp_plan, None
+    shape = (dp, t) if dp > 1 else None
+    with _fake_world(dp * t, shape) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
+            _concatenated_meshes_outside_fake():
+        model = split._split(mesh["tp"] if dp > 1 else mesh)
+        units = find_units(model).modules
+        if dp > 1:
+            _shard(model, units, mesh["dp"], True, True)
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                     lr=1e-4)
+        inputs = subject.make_inputs(model, sizes, "cpu")
+
+        def step(after_backward=None) -> None:
+            loss = subject.loss(inputs(model))
+            loss.backward()
+            if after_backward is not None:
+                after_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        if dp > 1:
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(inputs.tensors()))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, *inputs.tensors())
+        snapshots = {}
+        with tracker:
+            step(lambda: snapshots.update(after_backward=_by_name(
+                tracker.get_tracker_snapshot())))
+        snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
+        largest: dict[str, int] = {}
+        for stats in tracker.memory_tracking.values():
+            for snaps in getattr(stats, "snapshots", {}).values():
+                for snap in snaps:
+                    for name, value in _by_name(snap).items():
+                        largest[name] = max(largest.get(name, 0), value)
+        snapshots["largest"] = largest
+
+        def activations(unit, state: str) -> int:
+            snaps = {getattr(k, "value", k): v
+                     for k, v in tracker.memory_tracking[unit].snapshots.items()}
+            return _by_name(snaps[state][-1])["Activation"]
+
+        # FSDPMemTracker names its states before/after each hook
+        before, after = (("Before Pre-Forward", "After Post-Forward") if dp > 1 else
+                         (_ModState.PRE_FW.value, _ModState.POST_FW.value))
+        snapshots["units"] = [activations(u, after) - activations(u, before) for u in units]
+    return snapshots

@@ -196,6 +196,15 @@ def render(data: dict, console) -> None:
                 f"flight; {'peak' if st['peak_bytes'] is not None else 'sum'} "
                 f"{human_bytes(need)}" + (" (the most: the table above)"
                                           if st["stage"] == pipe["worst"] else ""))
+    if cond.get("tensor_parallel"):
+        tp = cond["tensor_parallel"]
+        rules = (", ".join(f"{glob}={style}" for glob, style in tp["rules"].items())
+                 if tp["plan_from"] == "--tp-plan" else f"{len(tp['rules'])} rules (--json "
+                                                        f"lists them)")
+        notes.append(f"tensor parallel: plan from {tp['plan_from']}: {rules}; "
+                     f"{tp['modules_split']} module(s) split with "
+                     + ", ".join(f"{style} = {torch}" for style, torch in tp["styles"].items())
+                     + f"; {tp['how']}; sequence parallelism {tp['sequence_parallel']}")
     if data["peak"]:
         notes.append(f"peak: {data['peak']['how']}")
     if cond["activations"]:
@@ -234,14 +243,16 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     fit_what: str | None, inference: bool, json_out: bool, subject=None,
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
                     timeline=None, loop: str = "loss-only", precision: str = "autocast",
-                    param_count: int | None = None, device: str = "cpu") -> None:
+                    param_count: int | None = None, device: str = "cpu",
+                    tp_plan: str | None = None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
     ``timeline(plan) -> dict`` draws one rank's step and says what it wrote, which is printed
     after the plan (under "timeline" with --json). ``loop``: the training loop the activation
     replay assumes (tfcli.inspection.memory.LOOPS). ``param_count``: no model, the model
-    states of that many parameters (:func:`stated_states`)."""
+    states of that many parameters (:func:`stated_states`). ``tp_plan``: --tp-plan's text, a
+    --model's tensor-parallel plan (tfcli.parallel.tensor)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
@@ -259,7 +270,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                                checkpointing or "none", dtype, mixed,
                                OPTIMIZER_STATES[optimizer], kernel,
                                str(budget.usable) if budget else None, fit_what, wrap, loop,
-                               precision, device=device)
+                               precision, device=device, tp_plan=tp_plan)
         if budget is not None:
             dev = data["device"]
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],

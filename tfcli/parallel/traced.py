@@ -21,9 +21,12 @@ replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.pl
 
 - Pipeline parallelism (``pp``, :mod:`tfcli.parallel.pipeline`): the blocks split over stages,
   each stage's lines as above over its own parameters, with 1F1B's micro-batches in flight.
+- Tensor parallelism (``tp``, :mod:`tfcli.parallel.tensor`): the same lines for one rank's
+  share, the model split by torch's ``parallelize_module`` on a fake process group (not yet
+  beside pipeline stages).
 
-Tensor and context parallelism split matrices and sequences that only tfcli's own configuration
-describes so far: refused here in one line.
+Context parallelism splits sequences that only tfcli's own configuration describes so far:
+refused here in one line.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ from tfcli.parallel.units import Units, find_units, shard_numel
 WORKING = "activations: backward working set"
 
 
-def refuse_model_splits(par: Parallel) -> None:
-    """Tensor and context parallelism are not computed for --model yet."""
+def refuse_model_splits(par: Parallel, tensor: bool = False) -> None:
+    """Context parallelism is not computed for --model yet; tensor parallelism is by
+    tfcli.parallel.tensor (``tensor``: the caller is it), not yet beside pipeline stages."""
+    if tensor and par.tp > 1 and par.pp > 1:
+        raise TfcliError(f"--parallel tp={par.tp},pp={par.pp}: pipeline stages beside tensor "
+                         f"parallelism are not computed yet for --model; drop one")
     for key, what in (("tp", "tensor"), ("cp", "context")):
         value = getattr(par, key)
-        if value > 1:
+        if value > 1 and not (tensor and key == "tp"):
             raise TfcliError(f"--parallel {key}={value}: {what} parallelism is not computed yet "
                              f"for --model (data parallel dp=N,zero=0-3 and pipeline pp=P are); "
                              f"drop {key}, or use tfcli's own configuration "
@@ -64,13 +71,18 @@ class TracedModel:
         self._stages: dict[int, list] = {}
         device, abstract = subject.abstract_run("meta")
         with abstract:
-            model = subject.build(device)
-            self.units: Units = find_units(model, wrap)
-            self.buffer_numel = sum(b.numel() for b in model.buffers())
-            # DeepSpeed ZeRO-3's unit: the most parameters one module holds itself
-            self.largest_module = max(sum(p.numel() for p in m.parameters(recurse=False))
-                                      for m in model.modules())
-            self.experts = ExpertLayout.of(model, self.units, subject)  # None: no MoE
+            self._survey(subject.build(device))
+
+    def _survey(self, model) -> None:
+        """Units, parameter groups and buffers of the built ``model`` (a tensor-parallel
+        rank's share: its local shards)."""
+        self.units: Units = find_units(model, self.wrap)
+        self.buffer_numel = sum(b.numel() for b in model.buffers())
+        # DeepSpeed ZeRO-3's unit: the most parameters one module holds itself
+        self.largest_module = max(sum(getattr(p, "_local_tensor", p).numel()
+                                      for p in m.parameters(recurse=False))
+                                  for m in model.modules())
+        self.experts = ExpertLayout.of(model, self.units, self.subject)  # None: no MoE
         groups = [*self.units.groups, self.units.root]
         self.numel = sum(g.numel for g in groups)
         self.trainable = sum(g.trainable for g in groups)
@@ -108,7 +120,7 @@ class TracedModel:
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
         loop the replay assumes (tfcli.inspection.memory.LOOPS). With pp > 1, the stage that
         needs the most, ``micro_batches`` (default pp) per step (tfcli.parallel.pipeline)."""
-        refuse_model_splits(par)
+        self._check_splits(par)
         if par.pp > 1:
             from tfcli.parallel.pipeline import pipeline_plan
 
@@ -156,6 +168,9 @@ class TracedModel:
                                            f"({self.trainable:,} trainable)"}
         total = sum(line.bytes for line in lines)
         return Plan(par, 0, lines, [], [total], conditions, peak)
+
+    def _check_splits(self, par: Parallel) -> None:
+        refuse_model_splits(par)
 
     # --- the lines ------------------------------------------------------------------------
 
@@ -370,22 +385,32 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
              kernel: str, device_memory: str | None, fit_what: str | None,
              wrap: str | None, loop: str = "loss-only", precision: str = "autocast",
-             device: str = "cpu") -> dict:
+             device: str = "cpu", tp_plan: str | None = None) -> dict:
     """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
-    length that fits. ``sizes_at(b, s)`` gives every letter's size."""
+    length that fits. ``sizes_at(b, s)`` gives every letter's size; ``tp_plan``: --tp-plan's
+    text (tfcli.parallel.tensor)."""
     from tfcli.parallel.fit import fit, parse_device_memory
     from tfcli.parallel.layout import parse_parallel
     from tfcli.parallel.report import FIT, check_request
 
     par = parse_parallel(parallel) if parallel is not None else Parallel()
-    refuse_model_splits(par)
+    refuse_model_splits(par, tensor=True)
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     if fit_what == "seq-len" and not subject.length_dims():
         raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
                          "sizes are fixed); use --fit batch")
     capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
-    traced = TracedModel(subject, wrap, sizes_at(1, seq_len or subject.default_sizes["L"]))
+    if par.tp > 1:
+        from tfcli.parallel.tensor import TensorParallelModel, refuse_sequence_parallel
+
+        refuse_sequence_parallel(parallel, par)
+        traced = TensorParallelModel(subject, wrap, par, tp_plan)
+    elif tp_plan is not None:
+        raise TfcliError("--tp-plan splits the model over tensor-parallel ranks: add tp=T "
+                         "(T > 1) to --parallel")
+    else:
+        traced = TracedModel(subject, wrap, sizes_at(1, seq_len or subject.default_sizes["L"]))
     positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
     limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
 

@@ -1,0 +1,405 @@
+"""Tensor parallelism for any subject (a user's module, a Transformers model): one rank's share
+as torch runs it, not from formulas on a configuration.
+
+- The plan: Transformers' own where the model has one (the built model's ``tp_plan``: the
+  config's ``base_model_tp_plan`` under the base model's prefix, the class's own — ``lm_head``
+  — and the vocabulary-parallel input embeddings Transformers adds), or ``--tp-plan
+  GLOB=STYLE,...``, which wins when given. Globs are fnmatch patterns on module paths
+  (``*`` crosses dots); a module takes the first rule that matches it.
+- Each style becomes torch's ParallelStyle (:data:`STYLES`), applied with
+  ``parallelize_module`` on torch.distributed's fake process group of t ranks in this process
+  (this one rank 0), the model built on fake tensors: its parameters become DTensors whose
+  local shards are what one rank holds.
+- The lines then follow :class:`tfcli.parallel.traced.TracedModel` on those shards: weights and
+  optimizer state from the shards' shapes, gradients from the ones torch's backward makes (a
+  vocabulary-parallel ``nn.Embedding`` gets a whole, replicated gradient in torch's DTensor:
+  it has no vocabulary-sharded rule for the embedding's backward), activations from a
+  fake-tensor replay of the parallelized model, each DTensor counted by its local shard.
+
+Not computed (refused in one line): sequence parallelism (the norms and the residual stream
+stay whole on every rank, as the plans Transformers ships leave them), styles torch's
+ParallelStyle cannot express (packed, expert and MLA weights), tp with pp, cp or ep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from fnmatch import fnmatchcase
+
+from tfcli.errors import TfcliError, did_you_mean
+from tfcli.parallel.layout import Line, Parallel
+from tfcli.parallel.traced import TracedModel, refuse_model_splits
+
+# Transformers' style names that torch's ParallelStyle expresses: (torch's style, in words).
+# "rowwise" on an nn.Embedding takes its token ids whole (torch's default input layout for
+# rowwise, Shard(-1), is a Linear's); None: the module stays whole on every rank.
+STYLES = {
+    "colwise": ("ColwiseParallel()", "output features split, output left split"),
+    "rowwise": ("RowwiseParallel()", "input features split, outputs summed (all-reduce)"),
+    "colwise_gather_output": ("ColwiseParallel(output_layouts=Replicate())",
+                              "output features split, output gathered"),
+    "colwise_rep": ("ColwiseParallel(output_layouts=Replicate())",
+                    "output features split, output gathered"),
+    "rowwise_split_input": ("RowwiseParallel(input_layouts=Replicate())",
+                            "input features split from a whole input, outputs summed"),
+    "rowwise_rep": ("RowwiseParallel(input_layouts=Replicate())",
+                    "input features split from a whole input, outputs summed"),
+    "embedding_rowwise": ("RowwiseParallel(input_layouts=Replicate())",
+                          "vocabulary rows split, lookups summed"),
+    "embedding_colwise": ("ColwiseParallel(output_layouts=Replicate())",
+                          "embedding columns split, output gathered"),
+    "replicated_with_grad_allreduce": (None, "whole on every rank, gradients all-reduced"),
+    "replicate": (None, "whole on every rank"),
+}
+# Transformers' styles torch's ParallelStyle cannot express (or tfcli does not compute yet)
+UNEXPRESSED = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert",
+               "ep_dispatch_experts", "grouped_gemm", "mla_kv_a_proj", "all_reduce",
+               "local_params", "sequence_parallel", "local_colwise", "local_rowwise", "local",
+               "gather", "isolated")
+ALLOWED = "colwise, rowwise (and Transformers' " + ", ".join(
+    s for s in STYLES if s not in ("colwise", "rowwise")) + ")"
+
+
+@contextlib.contextmanager
+def fake_world(t: int):
+    """torch.distributed's fake process group of ``t`` ranks (this process rank 0) and its
+    mesh, with FakeTensorMode: nothing is allocated, collectives move nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.parallel.measure import _fake_world
+
+    with _fake_world(t) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
+        yield mesh
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def refuse_sequence_parallel(text: str, par: Parallel) -> None:
+    """sp=1 asked for in so many words: not computed for --model (sp is on by default with
+    tp for tfcli's own configuration, where it is; here the default is off)."""
+    if re.search(r"(^|,)\s*sp\s*=\s*1\s*($|,)", text or ""):
+        raise TfcliError(f"--parallel {text}: sequence parallelism (sp=1) is not computed yet "
+                         f"for --model; tp={par.tp} without it is (the norms and the residual "
+                         f"stream whole on every rank): drop sp=1")
+
+
+def parse_tp_plan(text: str) -> dict[str, str]:
+    """``--tp-plan 'blocks.*.fc1=colwise,blocks.*.fc2=rowwise'``: {glob: style}, in order."""
+    rules: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        glob, sep, style = (s.strip() for s in item.partition("="))
+        if not sep or not glob or not style:
+            raise TfcliError(f"--tp-plan {text!r}: expected GLOB=STYLE items, e.g. --tp-plan "
+                             f"'blocks.*.fc1=colwise,blocks.*.fc2=rowwise'")
+        if glob in rules:
+            raise TfcliError(f"--tp-plan: {glob!r} is given twice")
+        check_style(style, f"--tp-plan {glob}={style}")
+        rules[glob] = style
+    if not rules:
+        raise TfcliError(f"--tp-plan {text!r}: give GLOB=STYLE items, e.g. --tp-plan "
+                         f"'blocks.*.fc1=colwise,blocks.*.fc2=rowwise'")
+    return rules
+
+
+def check_style(style: str, where: str) -> None:
+    if style in STYLES:
+        return
+    if style in UNEXPRESSED:
+        raise TfcliError(f"{where}: the style {style!r} is not one torch's ParallelStyle "
+                         f"(ColwiseParallel, RowwiseParallel) expresses, or tfcli computes; "
+                         f"allowed: {ALLOWED}")
+    raise TfcliError(f"{where}: unknown style {style!r}{did_you_mean(style, STYLES)}; "
+                     f"allowed: {ALLOWED}")
+
+
+def model_rules(subject, model, text: str | None, t: int) -> tuple[dict[str, str], str]:
+    """The rules and where they come from: ``--tp-plan`` when given, else the Transformers
+    model's own plan; refused without either, or when the model's plan uses styles torch's
+    ParallelStyle cannot express."""
+    if text is not None:
+        return parse_tp_plan(text), "--tp-plan"
+    own = getattr(model, "tp_plan", None) if getattr(subject, "kind", "") == "hf" else None
+    if not own:
+        raise TfcliError(f"--parallel tp={t}: the model has no tensor-parallel plan of its own "
+                         f"(Transformers' base_model_tp_plan); give one with --tp-plan "
+                         f"GLOB=colwise|rowwise,..., e.g. 'blocks.*.fc1=colwise,"
+                         f"blocks.*.fc2=rowwise'")
+    odd = {}
+    for glob, style in own.items():
+        if style not in STYLES:
+            odd.setdefault(style, glob)
+    name = type(model).__name__
+    if odd:
+        listed = ", ".join(f"{style} ({glob})" for style, glob in odd.items())
+        raise TfcliError(f"--parallel tp={t}: Transformers' tensor-parallel plan of {name} "
+                         f"uses {listed}, which torch's ParallelStyle (ColwiseParallel, "
+                         f"RowwiseParallel) cannot express; give the plan with --tp-plan "
+                         f"GLOB=colwise|rowwise,...")
+    return dict(own), f"Transformers' plan of {name} (the config's base_model_tp_plan)"
+
+
+def _wildcard(path: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+
+
+def _splittable(model) -> list[str]:
+    """The paths of the modules torch's Colwise/RowwiseParallel split, layer numbers as *."""
+    from torch import nn
+
+    return list(dict.fromkeys(_wildcard(path) for path, m in model.named_modules()
+                              if isinstance(m, (nn.Linear, nn.Embedding))))
+
+
+def resolve(model, rules: dict[str, str], t: int, origin: str) -> dict[str, str]:
+    """{module path: style} for every module a rule matches (the first rule that does),
+    checked: each rule matches a module, each module is one torch splits, each split width
+    divisible by t."""
+    from torch import nn
+
+    modules = dict(model.named_modules())
+    chosen: dict[str, tuple[str, str]] = {}
+    for glob, style in rules.items():
+        hits = [path for path in modules if path and fnmatchcase(path, glob)]
+        if not hits:
+            names = _splittable(model)
+            param = next((n for n, _ in model.named_parameters() if fnmatchcase(n, glob)),
+                         None)
+            raise TfcliError(
+                f"{origin}: {glob!r} " + (f"names a parameter ({param}), not a module: torch's "
+                                          f"ParallelStyle splits modules" if param else
+                                          f"matches no module{did_you_mean(glob, names)}")
+                + f"; modules it can split: {', '.join(names[:10])}"
+                + (", ..." if len(names) > 10 else ""))
+        for path in hits:
+            chosen.setdefault(path, (glob, style))
+    out = {}
+    for path, (glob, style) in chosen.items():
+        module = modules[path]
+        if STYLES[style][0] is None:
+            out[path] = style
+            continue
+        kind = type(module).__name__
+        if isinstance(module, nn.Linear):
+            dim, name, size = ((0, "out_features", module.out_features) if style.startswith(
+                "colwise") else (1, "in_features", module.in_features))
+        elif isinstance(module, nn.Embedding):
+            dim, name, size = ((1, "embedding_dim", module.embedding_dim) if "colwise" in style
+                               else (0, "num_embeddings", module.num_embeddings))
+        else:
+            raise TfcliError(f"{origin}: {glob}={style} matches {path}, a {kind}: torch's "
+                             f"ColwiseParallel and RowwiseParallel split nn.Linear and "
+                             f"nn.Embedding only; narrow the glob to those modules")
+        if size % t:
+            raise TfcliError(f"--parallel tp={t}: {path} ({kind}, {style}) has {name}={size}, "
+                             f"not divisible by {t}; tensor parallelism splits it evenly, so "
+                             f"tp must divide it")
+        out[path] = style
+    return out
+
+
+def check_heads(subject, styles: dict[str, str], t: int) -> None:
+    """A Transformers model whose projections are split with their output left split runs
+    its attention on each rank's own heads: tp must divide the query and key/value heads."""
+    if getattr(subject, "kind", "") != "hf" or "colwise" not in styles.values():
+        return
+    config = subject.config.get_text_config() if hasattr(subject.config, "get_text_config") \
+        else subject.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if isinstance(value, int) and value % t:
+            raise TfcliError(f"--parallel tp={t}: {name}={value} is not divisible by {t}; "
+                             f"each rank runs attention on its own heads (q, k, v split by "
+                             f"columns), so tp must divide the query and key/value heads")
+
+
+def _torch_style(style: str, module):
+    from torch import nn
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    whole = Replicate()
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(input_layouts=whole) if isinstance(module, nn.Embedding) \
+            else RowwiseParallel()
+    if style.startswith("colwise") or style == "embedding_colwise":
+        return ColwiseParallel(output_layouts=whole)
+    return RowwiseParallel(input_layouts=whole)  # rowwise_split_input, _rep, embedding_rowwise
+
+
+def parallelize(model, mesh, styles: dict[str, str], t: int) -> None:
+    """torch's ``parallelize_module`` with each module's style; tied parameters split the
+    same way are tied again (each module's split replaces its parameter), and refused when
+    the plan splits them differently."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    modules = dict(model.named_modules())
+    ties: dict[int, list[tuple[str, str]]] = {}
+    for path, module in modules.items():
+        for name, p in module.named_parameters(recurse=False):
+            ties.setdefault(id(p), []).append((path, name))
+    plan = {path: _torch_style(style, modules[path]) for path, style in styles.items()
+            if STYLES[style][0] is not None}
+    parallelize_module(model, mesh, plan)
+    for group in (g for g in ties.values() if len(g) > 1):
+        params = [modules[path]._parameters[name] for path, name in group]
+        layouts = [getattr(p, "placements", None) for p in params]
+        if any(layout != layouts[0] for layout in layouts):
+            (a, a_name), (b, b_name) = group[0], group[1]
+            raise TfcliError(
+                f"--parallel tp={t}: {b}.{b_name} is tied to {a}.{a_name}, and the plan splits "
+                f"them differently ({a}: {styles.get(a, 'not split')}; {b}: "
+                f"{styles.get(b, 'not split')}); split both by vocabulary rows "
+                f"(embedding_rowwise on the embedding, colwise on the head) or neither")
+        for path, name in group[1:]:
+            modules[path]._parameters[name] = params[0]
+
+
+def _local(t):
+    return getattr(t, "_local_tensor", t)
+
+
+# --- the plan of one rank ----------------------------------------------------------------------
+
+
+class TensorParallelModel(TracedModel):
+    """A subject split by tensor parallelism over ``par.tp`` ranks: the TracedModel of one
+    rank's share (its units and parameter groups hold local shards), replayed as torch runs
+    it. ``tp_plan``: --tp-plan's text (None: the Transformers model's own plan)."""
+
+    def __init__(self, subject, wrap: str | None, par: Parallel,
+                 tp_plan: str | None = None) -> None:
+        refuse_model_splits(par, tensor=True)
+        if par.ep > 1:
+            raise TfcliError(f"--parallel tp={par.tp},ep={par.ep}: expert parallelism beside "
+                             f"tensor parallelism is not computed yet for --model; drop one")
+        self.subject, self.wrap, self.t = subject, wrap, par.tp
+        self.tp_plan_text = tp_plan
+        with fake_world(self.t) as mesh:
+            model = self._split(mesh)
+            self._survey(model)
+            self.whole = sum(p.numel() for p in model.parameters())  # the global shapes
+            self.split = sum(1 for style in self.styles.values() if STYLES[style][0])
+            self.grad_numel, self.grad_notes = self._gradients(model)
+
+    def _split(self, mesh, dtype=None):
+        """The subject built on fake tensors and split; the first time, its plan is
+        resolved and checked."""
+        model = self.subject.build("cpu", dtype)
+        if not hasattr(self, "styles"):
+            rules, self.plan_from = model_rules(self.subject, model, self.tp_plan_text, self.t)
+            origin = "--tp-plan" if self.tp_plan_text is not None else \
+                f"--parallel tp={self.t} ({self.plan_from})"
+            self.rules = rules
+            self.styles = resolve(model, rules, self.t, origin)
+            check_heads(self.subject, self.styles, self.t)
+        parallelize(model, mesh, self.styles, self.t)
+        return model
+
+    def _gradients(self, model) -> tuple[int, list[str]]:
+        """The trainable parameters' gradients as torch's backward makes them on one rank
+        (elements), and a note for each that is larger than its parameter's shard: one
+        small fake forward and backward of the split ``model``."""
+        import torch
+
+        from tfcli.inspection.memory import _sizes_text
+        from tfcli.subjects.base import RunFailed, running
+
+        sizes = {**self.subject.default_sizes, "B": 1}
+        inputs = self.subject.make_inputs(model, sizes, "cpu")
+        try:
+            with running(model, "forward and backward pass"):
+                loss = self.subject.loss(inputs(model))
+                torch.autograd.backward(loss)
+        except RunFailed as error:  # the plan, not the model: it runs whole
+            where = "--tp-plan" if self.tp_plan_text is not None else "its plan"
+            raise TfcliError(
+                f"--parallel tp={self.t} with {where}: one rank's share cannot run "
+                f"({_sizes_text(self.subject, sizes)}, fake tensors): {error}; each split "
+                f"module hands on 1/{self.t} of its features, so the code after it must "
+                f"work on a share (heads divisible by tp, no sizes fixed in the "
+                f"code)") from None
+        total, notes, seen = 0, [], set()
+        for name, p in model.named_parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            grad = _local(p.grad) if p.grad is not None else _local(p)
+            total += grad.numel()
+            if grad.numel() > _local(p).numel():
+                notes.append(f"{name}: {'×'.join(map(str, grad.shape))} (its shard "
+                             f"{'×'.join(map(str, _local(p).shape))})")
+        return total, notes
+
+    def plan(self, par: Parallel, *args, **kwargs):
+        result = super().plan(par, *args, **kwargs)
+        result.parallel = dataclasses.replace(par, sp=False)  # as computed
+        result.conditions["tensor_parallel"] = self.conditions()
+        result.conditions["model_states_from"] = (
+            f"the built model split by torch's parallelize_module over tp={self.t}: "
+            f"{self.numel:,} of its {self.whole:,} parameters on this rank "
+            f"({self.trainable:,} trainable)")
+        return result
+
+    def _check_splits(self, par: Parallel) -> None:
+        refuse_model_splits(par, tensor=True)
+        if par.tp != self.t:
+            raise TfcliError(f"--parallel tp={par.tp}: this model is split {self.t} ways")
+
+    @functools.lru_cache(maxsize=64)
+    def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str,
+               loop: str = "loss-only", device: str = "cpu"):
+        from tfcli.inspection.memory import (DTYPES, LOOP_WORDS, _sizes_text,
+                                             simulate_training_step)
+
+        subject, t = self.subject, self.t
+        with fake_world(t) as mesh:
+            estimate = simulate_training_step(
+                lambda: self._split(mesh, DTYPES[dtype] if dtype != "fp32" else None),
+                lambda model: subject.make_inputs(model, dict(sizes), "cpu"), subject.loss,
+                autocast_dtype=DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
+                units=self._units_of, loop=loop)
+        how = (f"fake-tensor replay of forward+backward of one rank's share under tensor "
+               f"parallelism (torch's parallelize_module on a fake world of {t} ranks), "
+               f"{_sizes_text(subject, dict(sizes))}, {subject.loss_name()}"
+               + (f", autocast {mixed}" if mixed else "") + f"; {LOOP_WORDS[loop]}"
+               + "".join(f"; {line}" for line in subject.assumptions()))
+        return estimate, how
+
+    def _state_lines(self, n: int, zero: int, sb, ep: int = 1) -> list[Line]:
+        lines = super()._state_lines(n, zero, sb, ep)
+        share = (f"one rank's share of tp={self.t}: {self.numel:,} of {self.whole:,} "
+                 f"parameters, {self.split} module(s) split by torch's parallelize_module")
+        for line in lines:
+            if line.name == "weights":
+                line.how = f"{share}; {line.how}"
+            # gradients the rank keeps whole (not sharded by ZeRO): as torch's backward made
+            # them, which may be larger than the parameter's shard
+            if line.name == "gradients" and sb.grads and zero < sb.grads_sharded_at \
+                    and self.grad_notes:
+                line.bytes = self.grad_numel * sb.grads
+                line.how = (f"{sb.tag()} {sb.grads} B × {self.grad_numel:,} gradient "
+                            f"elements, as torch's backward makes them on this rank; larger "
+                            f"than their parameters' shards: {'; '.join(self.grad_notes)} "
+                            f"(torch's DTensor has no vocabulary-sharded rule for an "
+                            f"embedding's backward: the gradient is whole)")
+        return lines
+
+    def conditions(self) -> dict:
+        return {"tp": self.t, "plan_from": self.plan_from, "rules": self.rules,
+                "modules_split": self.split,
+                "styles": {style: STYLES[style][0] or "(not split)"
+                           for style in dict.fromkeys(self.styles.values())},
+                "sequence_parallel": "not applied: the norms and the residual stream stay "
+                                     "whole on every rank (as the plan leaves them)",
+                "how": f"torch's parallelize_module on a fake process group of {self.t} "
+                       f"ranks in one process, fake tensors: each parameter a DTensor, this "
+                       f"rank's local shard counted"}
