@@ -923,7 +923,7 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--parallel", "dp=2,tp=2"], "--parallel dp=2,tp=2: tp=2 splits the model itself, which "
+    (["--parallel", "dp=2,cp=2"], "--parallel dp=2,cp=2: cp=2 splits the model itself, which "
                                   "is computed for tfcli's own configuration only"),
     (["--parallel", "cp=2"], "--parallel cp=2: cp=2 splits the model itself"),
     (["--parallel", "dp=2,zero=3", "--wrap", "Blok"], "--wrap 'Blok': the model has no module "

@@ -1,0 +1,282 @@
+"""Tensor parallelism for any subject (issue 20): a Transformers model's own plan, or a user's
+module with --tp-plan, each rank's share split by torch's parallelize_module on a fake process
+group. Held to torch's MemTracker running a training step of the same split model (with FSDP
+beside it, FSDPMemTracker on a dp × tp mesh), and to Transformers' own
+apply_tensor_parallelism for the parameters a rank holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tfcli.errors import TfcliError
+from tfcli.parallel.layout import Parallel
+
+# Heads and widths that 2 and 4 divide; two layers, so that activations outweigh the model
+# states and the step's peak is in backward (the plan models no optimizer-step moment)
+COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 128,
+          "max_position_embeddings": 64}
+
+USER_MODULE = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.d_k = d // heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.norm1(x)
+        # -1 heads: a rank whose q, k, v are split by columns holds heads / tp of them
+        q, k, v = (p(h).view(b, n, -1, self.d_k).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=64, heads=4, n=2):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(n))
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+build = Net
+'''
+USER_PLAN = "blocks.*.[qkv]=colwise,blocks.*.up=colwise,blocks.*.o=rowwise,blocks.*.down=rowwise"
+SIZES = {"B": 2, "S": 64, "T": 64, "L": 64}
+# (model, dp, tp): Llama and Qwen2 (biased q, k, v) on their own plans, a user's module on
+# --tp-plan, and FSDP over 2 data-parallel ranks beside tp = 2
+CASES = [("llama", 1, 2), ("llama", 1, 4), ("qwen2", 1, 2), ("qwen2", 1, 4), ("user", 1, 2),
+         ("llama", 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory) -> dict[str, list[str]]:
+    """The --model arguments of a tiny Transformers Llama and Qwen2 (config.json files) and
+    of the user's module (with its --tp-plan), written to a temporary folder."""
+    where = tmp_path_factory.mktemp("tp")
+    for name in ("llama", "qwen2"):
+        (where / f"{name}.json").write_text(json.dumps({"model_type": name, **COMMON}))
+    (where / "net.py").write_text(USER_MODULE)
+    return {"llama": ["--model", f"hf:{where / 'llama.json'}"],
+            "qwen2": ["--model", f"hf:{where / 'qwen2.json'}"],
+            "user": ["--model", f"{where / 'net.py'}:build", "--input", "x=float32[B,L,16]",
+                     "--tp-plan", USER_PLAN],
+            "where": [str(where)]}
+
+
+def _subject(args: list[str]):
+    from tfcli.subjects import resolve_subject
+
+    return resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
+
+
+def _tp_plan(args: list[str]) -> str | None:
+    return args[5] if len(args) > 4 else None
+
+
+@pytest.fixture(scope="module")
+def tracked(tp_models) -> dict:
+    """torch's tracker's figures and tfcli's plan for each case, at SIZES (one in-process fake
+    process group at a time)."""
+    from tfcli.parallel.measure import tp_fake_memory_subject
+    from tfcli.parallel.tensor import TensorParallelModel
+
+    import warnings
+
+    out = {}
+    for name, dp, t in CASES:
+        args = tp_models[name]
+        subject = _subject(args)
+        par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
+        sizes = {k: v for k, v in SIZES.items() if k in ("B", "L") or name != "user"}
+        with warnings.catch_warnings():  # FSDP2's advice about the view the model returns
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+            measured = tp_fake_memory_subject(subject, t, sizes, _tp_plan(args), dp=dp)
+        plan = TensorParallelModel(subject, None, par, _tp_plan(args)).plan(par, sizes)
+        out[name, dp, t] = measured, plan
+    return out
+
+
+@pytest.mark.parametrize("name,dp,t", CASES)
+def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
+    """Every line within 5 % of what torch's tracker sorts into its category, and the peak
+    within 5 % of the tracker's: model states after backward (the gradients as torch's
+    backward made them), FSDP's buffers where it runs beside, what each unit's forward
+    added to the activations, and everything else at the peak (saved activations, the
+    backward's temporaries and gradients in flight)."""
+    measured, p = tracked[name, dp, t]
+    after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
+    lines = {line.name: line.bytes for line in p.lines}
+    if dp == 1:
+        pairs = [("weights", after["Parameter"]), ("gradients", after["Gradient"]),
+                 ("optimizer state", after["Optstate"])]  # + Adam's step counters
+        others = peak["Activation"] + peak["Temp"] + peak["Gradient"]
+    else:
+        pairs = [("weights", after["Sharded Param"]), ("gradients", after["Sharded Grad"]),
+                 ("optimizer state", after["OptState"]),
+                 ("unsharded parameters", largest["Unsharded Param"]),
+                 ("all-gather buffer", largest["All Gather"]),
+                 ("reduce-scatter buffer", largest["Reduce Scatter"])]
+        others = peak["Activation"] + peak["Temp"] + peak["Unsharded Grad"]
+    pairs += [("buffers", after["Buffer"]),  # rotary inv_freq; the user's module has none
+              ("activations: layers", sum(measured["units"])),
+              ("activations", others)]
+    lines["activations"] = sum(line.bytes for line in p.lines if line.kind == "activations")
+    for line, value in pairs:
+        assert lines.get(line, 0) == pytest.approx(value, rel=0.05), (line, lines.get(line),
+                                                                       value)
+    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.05), p.peak.moments
+    assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is False
+
+
+def test_an_untied_vocabulary_parallel_embedding_keeps_a_whole_gradient(tracked):
+    """torch's DTensor computes an nn.Embedding's gradient whole (it has no vocabulary-sharded
+    rule for the backward): the plan's gradients exceed the weights by half the embedding at
+    tp = 2, as the tracker's do."""
+    measured, p = tracked["llama", 1, 2]
+    lines = {line.name: line for line in p.lines}
+    embedding = COMMON["vocab_size"] * COMMON["hidden_size"]
+    assert lines["gradients"].bytes - lines["weights"].bytes == 4 * embedding // 2
+    assert measured["after_backward"]["Gradient"] - measured["after_backward"]["Parameter"] \
+        == 4 * embedding // 2
+    assert "model.embed_tokens.weight: 128×64 (its shard 64×64)" in lines["gradients"].how
+
+
+@pytest.mark.parametrize("name,t", [("llama", 4), ("qwen2", 2)])
+def test_a_ranks_parameters_equal_transformers_own_split(tracked, tp_models, name, t):
+    """Transformers' own apply_tensor_parallelism (its styles, not torch's) leaves each rank
+    the parameters tfcli's plan counts."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from tfcli.parallel.tensor import fake_world
+
+    subject = _subject(tp_models[name])
+    with fake_world(t) as mesh:
+        model = subject.build("cpu")
+        apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(dict(model.tp_plan)))
+        local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    weights = next(line for line in tracked[name, 1, t][1].lines if line.name == "weights")
+    assert weights.bytes == 4 * local
+
+
+def test_params_tp_for_a_user_module(cli, tp_models):
+    """The command line: --tp-plan's split, its record and its notes."""
+    args = ["params", *tp_models["user"], "--parallel", "tp=2", "--seq-len", "16",
+            "--batch-size", "2"]
+    data = json.loads(cli(*args, "--json").stdout)
+    tp = data["conditions"]["tensor_parallel"]
+    assert (tp["plan_from"], tp["modules_split"], data["world_size"]) == ("--tp-plan", 12, 2)
+    assert data["parallel"]["sp"] is False and data["peak"]["bytes"] > 0
+    text = " ".join(cli(*args[:-4]).stdout.split())  # model states only; notes unwrapped
+    assert "tensor parallel: plan from --tp-plan: blocks.*.[qkv]=colwise" in text
+    assert "sequence parallelism not applied" in text
+
+
+def test_params_tp_with_a_transformers_models_own_plan(cli):
+    """The README's example: Qwen2 with tied embeddings, split by its own plan (the tie kept:
+    the embedding and the head are one parameter, split by vocabulary rows both)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "qwen2-tiny"
+    config = json.loads((folder / "config.json").read_text())
+    result = cli("params", "--model", f"hf:{folder}", "--parallel", "tp=2", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    tp = data["conditions"]["tensor_parallel"]
+    assert "Qwen2ForCausalLM" in tp["plan_from"] and tp["rules"]["lm_head"] == \
+        "colwise_gather_output"
+    by = {line["name"]: line["bytes"] for line in data["memory"]}
+    assert config["tie_word_embeddings"] and by["gradients"] == by["weights"]
+
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("mixtral", ["--parallel", "tp=2"], "Transformers' tensor-parallel plan of "
+     "MixtralForCausalLM uses packed_colwise (model.layers.*.mlp.experts.gate_up_proj), "
+     "moe_tp_experts (model.layers.*.mlp.experts), which torch's ParallelStyle"),
+    ("gpt2", ["--parallel", "tp=2"], "--parallel tp=2: the model has no tensor-parallel plan "
+     "of its own (Transformers' base_model_tp_plan); give one with --tp-plan"),
+    ("llama", ["--parallel", "tp=8"], "--parallel tp=8: num_key_value_heads=4 is not "
+     "divisible by 8"),
+    ("ffn90", ["--parallel", "tp=4"], "--parallel tp=4: model.layers.0.mlp.gate_proj (Linear, "
+     "colwise) has out_features=90, not divisible by 4"),
+    ("llama", ["--parallel", "tp=2,sp=1"], "sequence parallelism (sp=1) is not computed yet "
+     "for --model"),
+    ("llama", ["--parallel", "tp=2,pp=2"], "--parallel tp=2,pp=2: pp=2 splits the model "
+     "itself"),
+    ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "
+     "tensor-parallel ranks: add tp=T"),
+    ("tied", ["--parallel", "tp=2", "--tp-plan", "model.embed_tokens=embedding_rowwise"],
+     "lm_head.weight is tied to model.embed_tokens.weight, and the plan splits them "
+     "differently (model.embed_tokens: embedding_rowwise; lm_head: not split)"),
+    ("user", ["--parallel", "tp=2"], "the model has no tensor-parallel plan of its own"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks.*.q=colwize"],
+     "--tp-plan blocks.*.q=colwize: unknown style 'colwize' (did you mean 'colwise'?); "
+     "allowed: colwise, rowwise"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks.*.q=packed_colwise"],
+     "the style 'packed_colwise' is not one torch's ParallelStyle"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks.*.qq=colwise"],
+     "--tp-plan: 'blocks.*.qq' matches no module (did you mean 'blocks.*.q'?); modules it can "
+     "split: inp, blocks.*.q"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks.*.q.weight=colwise"],
+     "'blocks.*.q.weight' names a parameter (blocks.0.q.weight), not a module"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks.*.norm1=colwise"],
+     "blocks.*.norm1=colwise matches blocks.0.norm1, a LayerNorm: torch's ColwiseParallel and "
+     "RowwiseParallel split nn.Linear and nn.Embedding only"),
+    ("user", ["--parallel", "tp=2", "--tp-plan", "blocks"], "--tp-plan 'blocks': expected "
+     "GLOB=STYLE items"),
+    ("user", ["--parallel", "tp=8", "--tp-plan", "blocks.*.[qkv]=colwise,blocks.*.o=rowwise"],
+     "--parallel tp=8 with --tp-plan: one rank's share cannot run (B=1, L=9, fake tensors): "
+     "forward and backward pass failed in blocks.0 (Block)"),
+])
+def test_tp_bad_input_is_one_line(cli, tp_models, model, extra, message):
+    """Each refusal is one line naming what is wrong and what is allowed, exit 2."""
+    where = tp_models["where"][0]
+    configs = {"mixtral": {"model_type": "mixtral", **COMMON, "num_local_experts": 4,
+                           "num_experts_per_tok": 2},
+               "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                        "vocab_size": 128, "n_positions": 64},
+               "ffn90": {"model_type": "llama", **COMMON, "intermediate_size": 90},
+               "tied": {"model_type": "qwen2", **COMMON, "tie_word_embeddings": True}}
+    if model in configs:
+        path = f"{where}/{model}.json"
+        with open(path, "w") as out:
+            json.dump(configs[model], out)
+        args = ["--model", f"hf:{path}"]
+    else:
+        args = tp_models[model][:4 if model == "user" else 2]
+    result = cli("params", *args, *extra)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+        result.stderr
+
+
+def test_tp_plan_is_for_a_model(cli):
+    result = cli("params", "-p", "tiny", "--parallel", "tp=2", "--tp-plan", "x=colwise")
+    assert result.exit_code == 2 and "--tp-plan applies to --model" in result.stderr
+
+
+def test_parse_tp_plan_keeps_the_order_given():
+    from tfcli.parallel.tensor import parse_tp_plan
+
+    assert list(parse_tp_plan("b=rowwise, a=colwise")) == ["b", "a"]
+    with pytest.raises(TfcliError, match="'a' is given twice"):
+        parse_tp_plan("a=colwise,a=rowwise")
