@@ -335,8 +335,8 @@ TORCH_CASES: list[Case] = [
              b"        return x @ torch.ones(5, 5)\n")}),
     # what --parallel cannot do for --model yet is refused before the model is imported
     Case("params-parallel-model-refused-before-import", ["params", "--model", "m.py:M",
-                                                         "--parallel", "dp=2,tp=2"], 2,
-         "--parallel dp=2,tp=2: tp=2 splits the model itself, which is computed for tfcli's "
+                                                         "--parallel", "dp=2,cp=2"], 2,
+         "--parallel dp=2,cp=2: cp=2 splits the model itself, which is computed for tfcli's "
          "own configuration only", files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-micro-batches-model-refused-before-import", [
         "params", "--model", "m.py:M", "--parallel", "dp=2", "--micro-batches", "4"], 2,
