@@ -709,8 +709,8 @@ def test_params_parallel_refuses_a_model_it_cannot_split_with_tp(cli, tmp_path):
     (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(3, 4)\n")
     result = cli("params", "--model", f"{tmp_path}/m.py:build", "--parallel", "dp=2,tp=2")
     assert result.exit_code == 2
-    assert "--parallel dp=2,tp=2: tp=2 splits the model itself, which is computed for tfcli's " \
-        "own configuration only" in result.stderr
+    assert "--parallel tp=2: the model has no tensor-parallel plan of its own" in result.stderr
+    assert "give one with --tp-plan" in result.stderr
 
 
 def test_bench_nproc_ranks_that_would_not_fit_are_refused_before_any_starts(cli, monkeypatch):
