@@ -9,33 +9,51 @@ import contextlib
 import json
 import math
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from tfcli.inspection.cuda_replay import NOT_REPLAYED, POLICY, as_cuda, cuda_only_autocast_ops
+from tfcli.inspection.cuda_replay import (Cast, as_cuda, autocast_ops, cuda_autocast,
+                                          cuda_only_autocast_ops, cuda_policy, read_cuda_policy)
 
 F = torch.nn.functional
 
 
-def test_every_cuda_only_autocast_op_has_a_policy():
-    # a torch that adds or drops a CUDA autocast op fails here until POLICY follows it
-    assert set(POLICY) | NOT_REPLAYED == cuda_only_autocast_ops()
+def test_every_cuda_autocast_op_is_replayed_or_says_why():
+    # a torch whose autocast kernels the probe cannot read fails here, naming the ops
+    policy = cuda_policy()
+    assert cuda_only_autocast_ops() <= set(policy.cuda) | set(policy.not_replayed)
+    assert set(policy.cuda) <= autocast_ops("cuda")
+    assert policy.cpu_only == autocast_ops("cpu") - autocast_ops("cuda")
+    for name, why in policy.not_replayed.items():
+        assert why.startswith("no CPU kernel"), (name, why)
+        assert not torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"aten::{name}", "CPU")
 
 
-@contextlib.contextmanager
-def _cuda_autocast(dtype):
-    """torch.autocast("cuda") without its "is CUDA available" check: the same TLS it sets."""
-    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    torch.set_autocast_enabled("cuda", True)
-    torch.set_autocast_dtype("cuda", dtype)
-    torch.autocast_increment_nesting()
+def test_the_policy_is_read_from_the_running_torch():
+    """A CUDA autocast kernel registered now (gelu in fp32; torch has none for it) is found by
+    the probe and replayed; without it gelu keeps its bf16 input, as on CUDA."""
+    def gelu_dtype(policy) -> torch.dtype:
+        with FakeTensorMode(), as_cuda(policy), torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.gelu(torch.empty(2, 4, dtype=torch.bfloat16)).dtype
+
+    assert "gelu" not in autocast_ops("cuda") and gelu_dtype(cuda_policy()) == torch.bfloat16
+    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
+
+    def fp32_gelu(x, approximate="none"):
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return torch.ops.aten.gelu(x.float(), approximate=approximate)
+
+    library = torch.library.Library("aten", "IMPL")
     try:
-        yield
+        library.impl("gelu", fp32_gelu, "AutocastCUDA")
+        policy = read_cuda_policy()
     finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled("cuda", enabled)
-        torch.set_autocast_dtype("cuda", before)
+        library._destroy()
+    assert policy.cuda["gelu"] == Cast("fp32")
+    assert gelu_dtype(policy) == torch.float32
 
 
 def _ops(h, f):
@@ -58,7 +76,7 @@ def _dtypes(device: str) -> dict[str, torch.dtype]:
     with FakeTensorMode():
         h = torch.empty(2, 3, 4, device=device, dtype=torch.bfloat16)
         f = torch.empty(2, 3, 4, device=device)
-        amp = _cuda_autocast(torch.bfloat16) if device == "cuda" else \
+        amp = cuda_autocast(torch.bfloat16) if device == "cuda" else \
             torch.autocast("cpu", dtype=torch.bfloat16)
         with (as_cuda() if device == "cpu" else contextlib.nullcontext()), amp:
             return {name: op().dtype for name, op in _ops(h, f).items()}
@@ -70,6 +88,80 @@ def test_cpu_replay_takes_cudas_autocast_dtypes():
     assert _dtypes("cpu") == cuda
     with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):  # and CPU's own, after
         assert torch.softmax(torch.empty(2, 4, dtype=torch.bfloat16), -1).dtype == torch.bfloat16
+
+
+class _Ran(TorchDispatchMode):
+    """The aten ops that run below autocast, with their tensors' dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.prim.device.default:  # CUDA's device checks
+            self.ops.append((func, *(tuple(t.dtype for t in tree_flatten(x)[0]
+                                           if isinstance(t, torch.Tensor))
+                                     for x in ((args, kwargs), out))))
+        return out
+
+
+def _ran(device: str, dtype: torch.dtype) -> dict[str, list]:
+    ran = {}
+    with FakeTensorMode():
+        h = torch.empty(2, 3, 4, device=device, dtype=dtype)
+        f = torch.empty(2, 3, 4, device=device)
+        # rms_norm with autocast's fp32 weight: without one, a CUDA build of torch 2.11 takes
+        # _fused_rms_norm's CUDA kernel for bf16 (a kernel path, which the CPU has not)
+        ops = {**_ops(h, f), "rms_norm": lambda: F.rms_norm(h, (4,), f.new_ones(4)),
+               "layer_norm weighted": lambda: F.layer_norm(h, (4,), f.new_ones(4), f.new_zeros(4)),
+               "norm": lambda: torch.norm(h, 2, -1), "prod": lambda: h.prod(-1),
+               "norm.Scalar": lambda: torch.ops.aten.norm.Scalar(h),  # "fp32 append dtype"
+               "norm.ScalarOpt_dim": lambda: torch.ops.aten.norm.ScalarOpt_dim(h, 2, [-1]),
+               "cat": lambda: torch.cat([h, f]), "matmul mixed": lambda: h @ f.transpose(-1, -2)}
+        for name, op in ops.items():
+            amp = cuda_autocast(dtype) if device == "cuda" else torch.autocast("cpu", dtype=dtype)
+            with (as_cuda() if device == "cpu" else contextlib.nullcontext()), amp, \
+                    _Ran() as seen:
+                op()
+            ran[name] = seen.ops
+    return ran
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch 2.11
+def test_the_replay_runs_the_aten_ops_cuda_runs(dtype):
+    """Below autocast, the replay's ops and dtypes are CUDA's own, casts included (sum and
+    vector_norm take dtype=float32 and make no fp32 copy; cross_entropy's log_softmax keeps
+    the logits' dtype; cat is not cast): torch's CUDA autocast on fake CUDA tensors is the
+    reference, whichever torch runs."""
+    cuda, cpu = _ran("cuda", dtype), _ran("cpu", dtype)
+    assert cuda["sum"][-1][1:] == ((dtype,), (torch.float32,))  # the test can fail
+    if dtype == torch.float16:  # CUDA's softmax reads fp16 into fp32 itself (half_to_float);
+        for name in ("softmax", "log_softmax"):  # the CPU's kernel has no such path
+            assert [op for op in cpu.pop(name) if op[0] != torch.ops.aten._to_copy.default] \
+                == [(op[0], (torch.float32,), op[2]) for op in cuda.pop(name)]
+    assert cpu == cuda
+
+
+def test_what_cudas_autocast_refuses_the_replay_refuses():
+    """binary_cross_entropy under CUDA's autocast raises (torch: "unsafe to autocast"); the
+    CPU's runs it in fp32. Whatever this torch's CUDA kernel does, the replay does."""
+    def outcome(device: str) -> str:
+        with FakeTensorMode():
+            x = torch.empty(4, device=device, dtype=torch.bfloat16)
+            amp = cuda_autocast(torch.bfloat16) if device == "cuda" else \
+                torch.autocast("cpu", dtype=torch.bfloat16)
+            with (as_cuda() if device == "cpu" else contextlib.nullcontext()), amp:
+                try:
+                    return str(F.binary_cross_entropy(x.sigmoid(), x).dtype)
+                except RuntimeError as error:
+                    return str(error).splitlines()[0]
+
+    assert outcome("cpu") == outcome("cuda")
+    with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):  # the CPU's own
+        x = torch.empty(4, dtype=torch.bfloat16)
+        assert F.binary_cross_entropy(x.sigmoid(), x).dtype == torch.float32
 
 
 def _saved(run) -> list[tuple[tuple, torch.dtype]]:

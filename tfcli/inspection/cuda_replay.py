@@ -5,21 +5,28 @@ apply to them, but on a torch built without CUDA the first indexing op raises an
 aborts the process ("PyTorch is not linked with support for cuda devices": no CUDA device
 guard is registered), so a training step cannot be replayed on them. The replay runs on the
 CPU's fake tensors instead, with what differs between the two devices' code paths put back,
-each read from torch itself:
+each read from the torch that runs:
 
-- **Autocast.** CUDA's autocast has kernels for ops the CPU's does not (torch's dispatcher says
-  which: ``cuda_only_autocast_ops``): softmax, log_softmax, layer_norm, rms_norm, exp, pow,
-  rsqrt, sum, ... run in fp32 on CUDA, and keep their half inputs on the CPU. The CUDA policy
-  is registered for those ops on the CPU's autocast key while the replay runs (``POLICY``).
+- **Autocast.** The two devices' autocast kernels differ: CUDA's has ops the CPU's has not
+  (softmax, log_softmax, layer_norm, exp, pow, rsqrt, sum, ... run in fp32 on CUDA and keep
+  their half inputs on the CPU), a few differently (prod, grid_sampler), and the CPU's has
+  ops CUDA's has not (cat and stack promote, linear algebra, FFTs, 3-D pooling). Which, and
+  how, changes between torch versions (rms_norm is fp32 on CUDA from torch 2.13 and bf16
+  before), so no table is written here: ``cuda_policy`` reads it from torch's own kernels by
+  running each op's autocast kernel on fake tensors of both devices and recording what it
+  passes on (``_probe``). While the replay runs, the CPU's autocast key does what CUDA's does.
 - **Dropout.** ``dropout`` takes CUDA's fused ``native_dropout``, which keeps a bool mask
   (1 B per element), where the CPU multiplies by a noise tensor of the input's dtype and
   keeps that (2 or 4 B). In-place dropout is not fused on either device.
 - **SDPA's math kernel with dropout** draws its mask inside the kernel the same way: it is
   given a bool mask instead, which the kernel keeps (1 B per element, as CUDA's).
 
-What stays the CPU's: autocast's CPU-only ops (cat and stack promote, linear algebra, FFTs,
-pooling: rare in a Transformer's step), and the caching allocator's rounding and workspaces,
-which no replay sees.
+What stays the CPU's: ops CUDA's autocast has that have no CPU kernel (``not_replayed``: they
+never run in a CPU replay; the CPU's flash attention op has its own autocast entry), the
+autocast cast cache for the ops whose kernels are replaced here (a weight cast twice in one
+forward is cast twice; the ops a Transformer casts its weights for, linear and matmul, keep
+torch's own kernel and cache), and the caching allocator's rounding and workspaces, which no
+replay sees.
 """
 
 from __future__ import annotations
@@ -27,56 +34,203 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-# CUDA autocast's policy for the ops that only CUDA's autocast has a kernel for (torch's
-# "CUDA Ops that can autocast to float16 / float32 / promote" lists). "fp32": half inputs are
-# cast to fp32; "fp32 dtype": run with dtype=float32 unless one is given (softmax(x) makes no
-# fp32 input copy of its own, sum(x) none at all); "lower": floating inputs are cast to the
-# autocast dtype; "promote": to the widest floating dtype among them.
-POLICY: dict[str, str] = {
-    **dict.fromkeys([
-        "acos", "asin", "cosh", "sinh", "tan", "erfinv", "exp", "expm1", "log", "log10",
-        "log1p", "log2", "logsumexp", "pow.Scalar", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-        "reciprocal", "rsqrt", "softplus", "layer_norm", "native_layer_norm", "group_norm",
-        "rms_norm", "dist", "pdist", "renorm", "cosine_similarity", "frobenius_norm.dim",
-        "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord",
-        "nuclear_norm", "nuclear_norm.dim", "norm.Scalar", "norm.ScalarOpt_dim",
-        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-        "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
-        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
-        "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"], "fp32"),
-    **dict.fromkeys(["softmax.int", "log_softmax.int", "cumsum", "cumprod", "sum",
-                     "sum.dim_IntList"], "fp32 dtype"),
-    **dict.fromkeys([
-        "_convolution", "convolution", "cudnn_convolution", "cudnn_convolution_transpose",
-        "addmv", "addr", "chain_matmul", "einsum", "linalg_multi_dot", "mv", "gru_cell",
-        "lstm_cell", "rnn_relu_cell", "rnn_tanh_cell", "_thnn_fused_gru_cell",
-        "_thnn_fused_lstm_cell"], "lower"),
-    **dict.fromkeys(["addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
-                     "index_put", "scatter_add", "tensordot"], "promote"),
-}
-# CUDA-only kernels with no CPU counterpart to stand in for: the CPU runs its own flash op
-# (_scaled_dot_product_flash_attention_for_cpu), which SDPA's own autocast entry casts first.
-NOT_REPLAYED = {"_scaled_dot_product_flash_attention"}
+# How an autocast kernel treats its op (torch's at::autocast::CastPolicy). "fp32": floating
+# inputs are cast to fp32; "fp32 dtype": run with dtype=float32 unless one is given (sum(x)
+# makes no fp32 copy of x); "fp32 append dtype": redispatched to the overload that takes a
+# dtype (``Cast.to``), float32; "lower": floating inputs are cast to the autocast dtype;
+# "promote": to the widest floating dtype among them; "refused": the kernel raises
+# (``Cast.to``: torch's message), as CUDA's does for binary_cross_entropy.
+CastPolicy = Literal["fp32", "fp32 dtype", "fp32 append dtype", "lower", "promote", "refused"]
 
-_HALF = (torch.float16, torch.bfloat16)
+
+class Cast(NamedTuple):
+    policy: CastPolicy
+    to: str = ""
+
+
+class Policy(NamedTuple):
+    """What the replay changes on the CPU's autocast key, read from the running torch."""
+
+    cuda: dict[str, Cast]  # CUDA's policy where the CPU's differs or is absent
+    cpu_only: frozenset[str]  # ops CUDA's autocast leaves alone and the CPU's casts
+    not_replayed: dict[str, str]  # op -> why it keeps the CPU's (none) policy
+
+
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_OVERRIDE = "Warning only once for all operators"  # torch's note on replacing a C++ kernel
+
+
+def autocast_ops(device: str) -> set[str]:
+    """aten ops ("name" or "name.overload") that ``device``'s autocast has a kernel for, as
+    this torch's dispatcher registers them."""
+    key = "AutocastCUDA" if device == "cuda" else "AutocastCPU"
+    return {name[len("aten::"):] for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::")
+            and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)}
 
 
 def cuda_only_autocast_ops() -> set[str]:
-    """aten ops ("name" or "name.overload") that CUDA's autocast has a kernel for and the
-    CPU's has not, as this torch's dispatcher registers them."""
-    found = set()
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::") \
-                and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA") \
-                and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU"):
-            found.add(name[len("aten::"):])
-    return found
+    """aten ops that CUDA's autocast has a kernel for and the CPU's has not."""
+    return autocast_ops("cuda") - autocast_ops("cpu")
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype):
+    """torch.autocast("cuda") without its "is CUDA available" check: the same TLS it sets."""
+    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", before)
+
+
+@functools.cache
+def cuda_policy() -> Policy:
+    """``read_cuda_policy()``, once per process (so per torch): about 0.5 s."""
+    return read_cuda_policy()
+
+
+def read_cuda_policy() -> Policy:
+    """CUDA's autocast policy where it differs from the CPU's, probed on fake tensors outside
+    any mode the caller has entered."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    cuda, cpu = autocast_ops("cuda"), autocast_ops("cpu")
+    differs, not_replayed = {}, {}
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), FakeTensorMode(), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _OVERRIDE)
+        for name in sorted(cuda):
+            if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"aten::{name}",
+                                                                            "CPU"):
+                not_replayed[name] = "no CPU kernel: it never runs in a CPU replay"
+                continue
+            on_cuda = _probe(name, "cuda")
+            if isinstance(on_cuda, str):
+                not_replayed[name] = f"its CUDA autocast kernel could not be probed: {on_cuda}"
+            elif name not in cpu or _probe(name, "cpu") != on_cuda:
+                differs[name] = on_cuda
+    return Policy(differs, frozenset(cpu - cuda), not_replayed)
+
+
+class _Reached(Exception):
+    """Raised by the probe's stand-in for the op, once the autocast kernel has called it."""
+
+
+def _probe(name: str, device: str) -> Cast | str:
+    """``device``'s autocast policy for op ``name``: its autocast kernel is run on fake
+    tensors of ``device`` and what it passes on (the casts it made, a dtype it set, the overload
+    it chose) is caught at the key below autocast, Autograd, before the op itself runs; so any
+    arguments of the schema's types do. A string says why it could not be told."""
+    packet = getattr(torch.ops.aten, name.partition(".")[0])
+    op = _overload(name)
+    half, full = torch.bfloat16, torch.float32
+    reached: dict = {}
+
+    def call(dtypes: list[torch.dtype], autocast: bool = True):
+        reached.clear()
+        made = iter([*dtypes, *[dtypes[-1]] * 64])
+
+        def tensor():
+            return torch.empty(1, device=device, dtype=next(made))
+
+        args = [_dummy(a, tensor) for a in op._schema.arguments if not a.kwarg_only]
+        kwargs = {a.name: _dummy(a, tensor) for a in op._schema.arguments if a.kwarg_only}
+        amp = (cuda_autocast(half) if device == "cuda" else torch.autocast("cpu", dtype=half)) \
+            if autocast else contextlib.nullcontext()
+        try:
+            with amp:
+                op(*args, **kwargs)
+        except _Reached:
+            return True
+        return False
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        for overload in packet.overloads():
+            def stand_in(*args, _overload=overload, **kwargs):
+                reached.update(overload=_overload, args=args, kwargs=kwargs)
+                raise _Reached
+
+            library.impl(name.partition(".")[0] + ("" if overload == "default" else
+                                                   f".{overload}"),
+                         stand_in, "AutogradCUDA" if device == "cuda" else "AutogradCPU")
+        try:
+            call([half])
+        except Exception as error:  # the kernel's own refusal, if the op is reached without it
+            try:
+                reached_without = call([half], autocast=False)
+            except Exception:
+                reached_without = False
+            return Cast("refused", str(error).splitlines()[0]) if reached_without \
+                else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        if not reached:
+            return "the kernel did not call the op"
+        if reached["overload"] != op._overloadname:
+            if _given_dtype(getattr(packet, reached["overload"]), reached) == full:
+                return Cast("fp32 append dtype", reached["overload"])
+            return f"it called {reached['overload']}, not with dtype=float32"
+        if _given_dtype(op, reached) == full:
+            return Cast("fp32 dtype")
+        if _floating(reached) and all(t == full for t in _floating(reached)):
+            return Cast("fp32")
+        call([full])
+        if _floating(reached) and all(t == half for t in _floating(reached)):
+            return Cast("lower")
+        call([half, full])
+        if len(_floating(reached)) > 1 and all(t == full for t in _floating(reached)):
+            return Cast("promote")
+        return "no cast seen"
+    finally:
+        library._destroy()
+
+
+def _dummy(argument, tensor):
+    """A value of ``argument``'s schema type: its default, or a one-element tensor from
+    ``tensor()`` for every tensor (optional or in a list), or any value of its type."""
+    kind = str(argument.type)
+    if argument.has_default_value() and "Tensor" not in kind:
+        return argument.default_value
+    return _of_type(argument.type, tensor)
+
+
+def _of_type(type_, tensor):
+    kind = type_.kind()
+    if kind == "TensorType":
+        return tensor()
+    if kind == "OptionalType":
+        return _of_type(type_.getElementType(), tensor) if "Tensor" in str(type_) else None
+    if kind == "ListType":
+        return [_of_type(type_.getElementType(), tensor)]
+    # a str may be a Dimname, which the boxed call reads as a qualified symbol
+    return {"IntType": 1, "SymIntType": 1, "FloatType": 1.0, "BoolType": False,
+            "NumberType": 2, "StringType": "dimname::N"}[kind]
+
+
+def _given_dtype(op, reached: dict):
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "dtype":
+            args = reached["args"]
+            return args[i] if i < len(args) else reached["kwargs"].get("dtype")
+    return None
+
+
+def _floating(reached: dict) -> list[torch.dtype]:
+    return [t.dtype for t in tree_flatten((reached["args"], reached["kwargs"]))[0]
+            if isinstance(t, Tensor) and t.is_floating_point()]
 
 
 def _overload(name: str):
@@ -84,42 +238,58 @@ def _overload(name: str):
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
-def _kernel(op, policy: str):
-    """``op`` as CUDA's autocast runs it under ``policy``, for the CPU's autocast key."""
+def _kernel(name: str, cast: Cast):
+    """Op ``name`` as CUDA's autocast runs it under ``cast``, for the CPU's autocast key:
+    what at::autocast's wrappers do, with the CPU's autocast dtype (the replay's)."""
+    op = _overload(name)
     dtype_arg = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
-    def cast(args, kwargs, to):
-        return tree_map(lambda t: t.to(to) if isinstance(t, Tensor) and t.is_floating_point()
-                        and t.dtype != torch.float64 and t.dtype != to else t, (args, kwargs))
+    def eligible(t) -> bool:  # at::autocast::is_eligible: floating, not double
+        return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+    def to(args, kwargs, dtype):
+        return tree_map(lambda t: t.to(dtype) if eligible(t) and t.dtype != dtype else t,
+                        (args, kwargs))
 
     def run(*args, **kwargs):
+        first = args[0] if args else None
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            if policy == "fp32 dtype":
+            if cast.policy == "refused":
+                raise RuntimeError(cast.to)
+            if cast.policy == "fp32 dtype":
                 given = kwargs.get("dtype") if dtype_arg is None or len(args) <= dtype_arg \
                     else args[dtype_arg]
-                first = args[0] if args else None
-                if given is None and isinstance(first, Tensor) and first.is_floating_point() \
-                        and first.dtype != torch.float64:
+                if given is None and eligible(first):
                     if dtype_arg is not None and len(args) > dtype_arg:
                         args = (*args[:dtype_arg], torch.float32, *args[dtype_arg + 1:])
                     else:
                         kwargs = {**kwargs, "dtype": torch.float32}
                 return op(*args, **kwargs)
-            if policy in ("fp32", "lower"):
-                to = torch.float32 if policy == "fp32" else torch.get_autocast_dtype("cpu")
-                args, kwargs = cast(args, kwargs, to)
+            if cast.policy == "fp32 append dtype":
+                dtype = torch.float32 if eligible(first) else first.dtype
+                return _overload(f"{name.partition('.')[0]}.{cast.to}")(
+                    **_by_name(op, args, kwargs), dtype=dtype)
+            if cast.policy in ("fp32", "lower"):
+                args, kwargs = to(args, kwargs, torch.float32 if cast.policy == "fp32"
+                                  else torch.get_autocast_dtype("cpu"))
                 return op(*args, **kwargs)
-            floats = [t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()]
-            if len(set(floats)) > 1:
-                args, kwargs = cast(args, kwargs, functools.reduce(torch.promote_types, floats))
+            # promote: fp32 if any eligible input is, else the autocast dtype (no cast)
+            if any(eligible(t) and t.dtype == torch.float32 for t in _tensors(args, kwargs)):
+                args, kwargs = to(args, kwargs, torch.float32)
             return op(*args, **kwargs)
 
     return run
 
 
-def _tensors(args, kwargs) -> list[Tensor]:
-    from torch.utils._pytree import tree_flatten
+def _by_name(op, args: tuple, kwargs: dict) -> dict:
+    """``op``'s arguments by name, defaults included: the overload an "fp32 append dtype"
+    kernel calls has the same names, and may have no default where ``op`` has one."""
+    named = {a.name: value for a, value in zip(op._schema.arguments, args)} | kwargs
+    return named | {a.name: a.default_value for a in op._schema.arguments
+                    if a.name not in named and a.has_default_value()}
 
+
+def _tensors(args, kwargs) -> list[Tensor]:
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 
@@ -174,13 +344,19 @@ def _math_with_mask(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 @contextlib.contextmanager
-def as_cuda():
+def as_cuda(policy: Policy | None = None):
     """While it runs, CPU fake tensors keep what CUDA keeps (see the module's docstring):
-    CUDA's autocast policy on the CPU's autocast key, CUDA's dropout."""
+    CUDA's autocast policy (``policy``, default this torch's) on the CPU's autocast key,
+    CUDA's dropout."""
+    policy = policy or cuda_policy()
     library = torch.library.Library("aten", "IMPL")
     try:
-        for name, policy in POLICY.items():
-            library.impl(name, _kernel(_overload(name), policy), "AutocastCPU")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _OVERRIDE)
+            for name, cast in policy.cuda.items():
+                library.impl(name, _kernel(name, cast), "AutocastCPU")
+            for name in policy.cpu_only:  # CUDA runs them as they come
+                library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         with _CudaDropout(), warnings.catch_warnings():
             # torch says so of _math_with_mask's mask, once the outermost call returns
             warnings.filterwarnings("ignore", "Dropout mask should only be used")
