@@ -89,6 +89,35 @@ def test_flops_equal_flop_counter_on_torch_nn_transformer():
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in counted.missing
 
 
+def test_counting_hooks_no_tensor_and_counts_as_torch_does():
+    """Issue 25: torch's FlopCounterMode hooked every module's input and output tensors (its
+    per-module tracker, which tfcli never reads); the forward pass's output then held a chain
+    of tensors with Python hooks, freed recursively: 10,000 Llama layers overflowed the C
+    stack (SIGSEGV, no line). Without the tracker, no tensor is hooked, and forward and
+    backward count what an unmodified FlopCounterMode counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tfcli.inspection.flops import flop_counting
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    outputs = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: outputs.append(out))
+    try:
+        with flop_counting() as counted:
+            out = model(x)
+            hooked = [bool(o._backward_hooks) for o in outputs]  # hooks go when it ends
+            out.sum().backward()
+    finally:
+        handle.remove()
+    assert hooked == [False] * 4
+    with FlopCounterMode(display=False) as reference:
+        model(x).sum().backward()
+    assert counted.flop_counter == reference.get_total_flops() > 0
+
+
 @pytest.mark.parametrize("kernel", ["naive", "sdpa"])
 def test_flops_are_the_same_on_meta_and_cpu(kernel):
     meta = run_trace("tiny", "meta", attention=kernel)[3]

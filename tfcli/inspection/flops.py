@@ -78,6 +78,23 @@ class CounterReport:
     registered: list[str] = field(default_factory=list)  # formulas tfcli added
 
 
+class _GlobalOnly:
+    """What FlopCounterMode needs of its module tracker when only the total is read: the one
+    "Global" bucket every count goes to. torch's ModuleTracker attributes counts to modules
+    by hooking every module's input and output tensors (``register_multi_grad_hook``); tfcli
+    reads only "Global", and those hooks made each forward pass a chain of tensors that
+    hold Python hooks, which torch frees recursively: 10,000 Llama layers overflowed an
+    8 MiB C stack as the forward pass's output was dropped (SIGSEGV, no line)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 @contextlib.contextmanager
 def flop_counting():
     """Count FLOPs of everything run inside, once, with tfcli's extra formulas registered; the
@@ -88,7 +105,10 @@ def flop_counting():
     extra = _extra_formulas()
     report = CounterReport(0, 0)
     recorder = _OpRecorder()
-    with FlopCounterMode(display=False, custom_mapping=extra) as counter, recorder:
+    counter = FlopCounterMode(display=False, custom_mapping=extra)
+    # torch 2.13's attribute; were it renamed, the hooks would come back, the counts stay
+    counter.mod_tracker = _GlobalOnly()
+    with counter, recorder:
         yield report
     by_op = counter.get_flop_counts().get("Global", {})
     packets = {op.overloadpacket for op in recorder.ops}
