@@ -191,6 +191,30 @@ def test_tfcli_own_exit_ends_the_process_while_the_model_runs(monkeypatch):
     assert ended == [143]
 
 
+def test_a_threading_profile_hook_still_runs_in_the_models_threads():
+    """Threads started while the model runs get an alternate signal stack through threading's
+    profile hook; one set before (a profiler's) still sees every thread, and is back after."""
+    import threading
+
+    from tfcli.subjects import contain
+
+    seen = []
+
+    def hook(frame, event, arg):
+        seen.append((threading.current_thread().name, event))
+
+    threading.setprofile(hook)
+    try:
+        with contain.contained("in its forward pass"):
+            thread = threading.Thread(target=len, args=((),), name="model-thread")
+            thread.start()
+            thread.join()
+        assert threading.getprofile() is hook
+    finally:
+        threading.setprofile(None)
+    assert ("model-thread", "call") in seen
+
+
 # --- module trees tfcli cannot walk: exit 2, one line ------------------------------------------
 
 TREES = """import torch
@@ -346,6 +370,15 @@ NO_INTERPRETER = {  # name -> (a script whose crash comes inside contained(), th
                          "AtomicFile(Path('out.csv')).text().write('seq_len,')\n"
                          "with contained('in its forward pass'):\n"
                          "    json.loads('[' * 10**7)\n", "in its forward pass"),
+    # the same in a thread the model starts: the kernel keeps an alternate stack per thread,
+    # and one without can run no handler after a stack overflow (exit -11, no line)
+    "c-stack-overflow-in-a-thread": ("import json, sys, threading\n"
+                                     "sys.setrecursionlimit(10**8)\n"
+                                     "with contained('in its forward pass'):\n"
+                                     "    t = threading.Thread(target=json.loads, "
+                                     "args=('[' * 10**7,))\n"
+                                     "    t.start()\n"
+                                     "    t.join()\n", "in its forward pass"),
     # a thread that never held the GIL faults while the main thread holds it (PyDLL calls do):
     # a handler that needs the interpreter waits for the GIL for as long as it is held
     "thread-without-the-gil": ("import ctypes, sys\nsys.setswitchinterval(60)\n"

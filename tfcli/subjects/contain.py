@@ -20,10 +20,12 @@ and exits; so the instructions are written into a page of their own, made execut
 Elsewhere (another CPU or system, or where the system refuses executable pages), the handler
 is a Python callback (ctypes), installed with libc's ``signal()``: a best effort whose limits
 the native handler was written to lift: no line after a stack overflow or a corrupt heap
-(exit -11), and a wait for the GIL after a crash in a thread without it. The alternate stack is
-the main thread's only: a stack overflow in another thread still ends the process with -11
-and no line. When ``faulthandler`` is on (``PYTHONFAULTHANDLER``, ``-X faulthandler``) the user
-asked for its traceback dump, and tfcli leaves the signals to it.
+(exit -11), and a wait for the GIL after a crash in a thread without it. Each thread needs an
+alternate stack of its own: the thread that enters :func:`contained` gets one, and so does
+every thread started through ``threading`` meanwhile (``_arm_thread``); a thread started
+otherwise (a C library's own) has none, and a stack overflow there still ends the process
+with -11 and no line. When ``faulthandler`` is on (``PYTHONFAULTHANDLER``, ``-X
+faulthandler``) the user asked for its traceback dump, and tfcli leaves the signals to it.
 """
 
 from __future__ import annotations
@@ -248,14 +250,57 @@ def _native_handler():
             if libc.sigaction(getattr(signal, name), ctypes.byref(_native.action),
                               ctypes.byref(old)) == 0:
                 previous[getattr(signal, name)] = old
+    global _profile_before
+    _profile_before = threading.getprofile()
+    threading.setprofile(_arm_thread)
 
     def restore() -> None:
+        threading.setprofile(_profile_before)
         for signum, old in previous.items():
             libc.sigaction(signum, ctypes.byref(old), None)
         if stack_set:
             libc.sigaltstack(ctypes.byref(_native.stack_t(None, _SS_DISABLE, 0)), None)
 
     return restore
+
+
+# An alternate stack is the kernel's per thread: a thread the model starts has none, and a stack
+# overflow there could not run the handler (exit -11, no line). threading's profile hook runs
+# first thing in every thread threading starts, in that thread: it gives the thread a stack of
+# its own and hands profiling back to whatever hook was there before.
+_THREAD_STACKS = 256  # at most this many threads get one (mapped, never unmapped: a thread's
+# end cannot be seen from inside it in time, and a signal frame written into memory reused
+# meanwhile would corrupt it); untouched pages of an anonymous mapping take no memory
+_profile_before = None  # threading's profile hook before the native handler was installed
+_thread_stacks = 0  # given so far
+
+
+def _arm_thread(frame, event, arg):
+    """threading's profile hook while the native handler is installed: the thread's first
+    event, in the thread."""
+    sys.setprofile(_profile_before)  # once per thread
+    _give_thread_a_stack()
+    if _profile_before is not None:
+        return _profile_before(frame, event, arg)
+    return None
+
+
+def _give_thread_a_stack() -> None:
+    """An alternate signal stack for the calling thread, unless it has one."""
+    global _thread_stacks
+    import ctypes
+
+    if not _native or _thread_stacks >= _THREAD_STACKS:
+        return
+    libc = _native.libc
+    old = _native.stack_t()
+    if libc.sigaltstack(None, ctypes.byref(old)) != 0 or not old.flags & _SS_DISABLE:
+        return
+    _thread_stacks += 1
+    # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE
+    address = libc.mmap(None, _ALT_STACK, 0x1 | 0x2, 0x02 | 0x20 | 0x4000, -1, 0)
+    if address not in (None, ctypes.c_void_p(-1).value):
+        libc.sigaltstack(ctypes.byref(_native.stack_t(address, 0, _ALT_STACK)), None)
 
 
 def _publish() -> None:
