@@ -4,6 +4,7 @@ before a long build."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -66,19 +67,39 @@ def test_a_long_build_is_announced(cli, deep, monkeypatch):
 
 @pytest.mark.parametrize("nest", [False, True])
 def test_a_deep_config_is_named_from_its_json_before_anything_is_built(tmp_path, capsys,
-                                                                      nest):
+                                                                      monkeypatch, nest):
     """Issue 25: 100,000 layers said nothing until torch and Transformers had loaded; the
-    layer count is read from the JSON alone (a sub-config's too), shallow ones say nothing."""
+    layer count is read from the JSON alone (a sub-config's too) and shown on a progress
+    line (a terminal's only: it gives way to what follows); shallow ones show nothing."""
+    shown = []
+    monkeypatch.setattr("tfcli.render.progress.working", lambda text: shown.append(text)
+                        or contextlib.nullcontext())
     deep = {"num_hidden_layers": hf_size.EARLY_ABOVE + 1}
     data = {"model_type": "x", "text_config": deep} if nest else {"model_type": "x", **deep}
     (tmp_path / "config.json").write_text(json.dumps(data))
     (tmp_path / "shallow.json").write_text(json.dumps({"n_layer": hf_size.EARLY_ABOVE}))
-    hf_size.announce_depth(str(tmp_path))
-    hf_size.announce_depth(str(tmp_path / "shallow.json"))
-    hf_size.announce_depth(str(tmp_path / "missing.json"))  # left to the full reading
-    lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"tfcli: note: hf:{tmp_path}: {hf_size.EARLY_ABOVE + 1:,} layers "
-                     f"(num_hidden_layers); counting their modules before building them"]
+    for name in ("", "shallow.json", "missing.json"):  # a missing one: left to the full reading
+        with hf_size.announce_depth(str(tmp_path / name)):
+            pass
+    assert shown == [f"hf:{tmp_path / ''}: {hf_size.EARLY_ABOVE + 1:,} layers "
+                     f"(num_hidden_layers); loading torch and Transformers to count their "
+                     f"modules"]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_deep_config_the_estimate_refuses_is_one_line(cli, tmp_path, monkeypatch):
+    """Issue 25: past 2,000 layers a note came from the JSON before the estimate's refusal:
+    two lines for one bad input. Here a module a layer fits and a layer's modules do not."""
+    layers = hf_size.EARLY_ABOVE + 1
+    transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=layers,
+                             num_attention_heads=1, vocab_size=16).to_json_file(
+        tmp_path / "config.json")
+    budget = 4 * layers * hf_size.BYTES_PER_MODULE  # a Llama layer is 8 modules and more
+    monkeypatch.setattr("tfcli.guard.available", lambda *a, **k: Budget(budget, "MemAvailable"))
+    result = cli("params", "--model", f"hf:{tmp_path}")
+    assert result.exit_code == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"{layers:,} layers are about" in result.stderr
 
 
 def test_a_layer_count_past_memory_is_refused_from_its_json_alone(tmp_path, monkeypatch):

@@ -37,10 +37,15 @@ def resolve_subject(preset: str | None = None, config: Path | None = None,
     if given:
         raise _error(f"--model with {', '.join(given)}: those configure tfcli's own model; "
                      f"give one or the other")
-    if model.startswith("hf:"):
-        from tfcli.subjects.hf_size import announce_depth
+    if not model.startswith("hf:"):
+        return _model_subject(model, model_args, hf_class, inputs, attn_implementation)
+    from tfcli.subjects.hf_size import announce_depth
 
-        announce_depth(model[3:])  # before torch is loaded: a deep config is named at once
+    with announce_depth(model[3:]):  # before torch is loaded: a deep config is named at once
+        return _model_subject(model, model_args, hf_class, inputs, attn_implementation)
+
+
+def _model_subject(model: str, model_args, hf_class, inputs, attn_implementation):
     from tfcli.subjects.base import parse_input
 
     specs = [parse_input(text) for text in inputs or []]

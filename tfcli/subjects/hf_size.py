@@ -6,13 +6,14 @@ A model's modules are Python objects, built one by one whatever the device: a co
 on meta. Two small builds of the same config (1 and 2 layers) give the modules of one layer; the
 count at the config's own depth follows, and with it an estimate of the memory the command will
 hold, checked before the real build starts, and of the time building takes (9-layer builds less
-1-layer ones time one layer). A config deeper still is named from its JSON
-alone, before torch and Transformers are loaded (seconds, many more on a busy machine), so that
-the first line comes at once.
+1-layer ones time one layer). A config deeper still is named from its JSON alone at a terminal,
+on a progress line, before torch and Transformers are loaded (seconds, many more on a busy
+machine), so that something shows at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -53,31 +54,36 @@ def _raw_layers(data: dict, depth: int = 0) -> tuple[int, str] | None:
     return max(found, default=None)
 
 
-def announce_depth(text: str) -> None:
-    """Say on stderr that ``hf:TEXT`` is deep, from its JSON alone (a local file or directory;
-    anything unreadable is left to the full reading, which says what is wrong)."""
+def announce_depth(text: str) -> contextlib.AbstractContextManager:
+    """While torch and Transformers load for ``hf:TEXT``: a layer count that could not fit
+    even at a module a layer is refused at once, from its JSON alone (a local file or
+    directory; anything unreadable is left to the full reading, which says what is wrong);
+    a deep one is named at a terminal, on a transient progress line, until the block ends.
+    Transient, so that what follows (the estimate, or its refusal) is the one line left: a
+    line printed here came before that refusal (two lines for one bad input)."""
     try:
         path = Path(text)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file() or path.stat().st_size > 2**24:
-            return
+            return contextlib.nullcontext()
         data = json.loads(path.read_text())
         deepest_raw = _raw_layers(data) if isinstance(data, dict) else None
     except (OSError, ValueError, RecursionError):
-        return
-    if deepest_raw is not None and deepest_raw[0] > EARLY_ABOVE:
-        from tfcli.guard import available, gib
+        return contextlib.nullcontext()
+    if deepest_raw is None or deepest_raw[0] <= EARLY_ABOVE:
+        return contextlib.nullcontext()
+    from tfcli.guard import available, gib
+    from tfcli.render.progress import working
 
-        layers, key = deepest_raw
-        budget = available()
-        if layers * BYTES_PER_MODULE > budget.bytes:  # a module a layer, at the very least
-            raise TfcliError(f"--model hf:{text}: {key}={layers:,} is at least that many "
-                             f"modules, at least {gib(layers * BYTES_PER_MODULE)} of Python "
-                             f"objects to build, but {gib(budget.bytes)} is available "
-                             f"({budget.source}); is the layer count meant?")
-        sys.stderr.write(f"tfcli: note: hf:{text}: {layers:,} layers ({key}); counting their "
-                         f"modules before building them\n")
-        sys.stderr.flush()
+    layers, key = deepest_raw
+    budget = available()
+    if layers * BYTES_PER_MODULE > budget.bytes:  # a module a layer, at the very least
+        raise TfcliError(f"--model hf:{text}: {key}={layers:,} is at least that many "
+                         f"modules, at least {gib(layers * BYTES_PER_MODULE)} of Python "
+                         f"objects to build, but {gib(budget.bytes)} is available "
+                         f"({budget.source}); is the layer count meant?")
+    return working(f"hf:{text}: {layers:,} layers ({key}); loading torch and Transformers "
+                   f"to count their modules")
 
 
 def _layer_keys(config, layer_keys: tuple[str, ...], depth: int = 0) -> list[tuple[object, str]]:
