@@ -1193,6 +1193,40 @@ def test_an_empty_path_is_refused_as_empty(cli, tmp_path, monkeypatch, args):
     assert list(tmp_path.iterdir()) == []
 
 
+# --- a JSON answer of every module: estimated before it is made -----------------------------
+
+THREE_LINEAR = """import torch
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 2)), (torch.zeros(1, 2),)
+"""
+
+
+@pytest.mark.parametrize("command, unit", [("shapes", "module calls"),
+                                           ("params", "modules and buffers")])
+def test_json_of_every_module_is_refused_when_it_would_not_fit(cli, tmp_path, monkeypatch,
+                                                               command, unit):
+    """Issue 25: only masks --json was guarded; shapes and params --json of 130,000 modules
+    (10,000 Llama layers) make a gigabyte of objects and text before a byte is written.
+    The table, which folds repeated layers, still answers under the same limit."""
+    from torch import nn
+
+    from tfcli.guard import Budget
+
+    (tmp_path / "m.py").write_text(THREE_LINEAR)
+    modules = sum(1 for _ in nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3),
+                                           nn.Linear(3, 2)).modules())
+    monkeypatch.setattr("tfcli.guard.available", lambda *a, **k: Budget(2**10, "MemAvailable"))
+    refused = cli(command, "--model", f"{tmp_path / 'm.py'}:build", "--json")
+    assert refused.exit_code == 2 and refused.stdout == "", (refused.exit_code, refused.stderr)
+    assert refused.stderr.startswith(f"tfcli: error: {command} --json needs an estimated ")
+    assert refused.stderr.count("\n") == 1 and f"({modules} {unit}, " in refused.stderr
+    assert "1 KiB is available on cpu (MemAvailable); without --json" in refused.stderr
+    table = cli(command, "--model", f"{tmp_path / 'm.py'}:build")
+    assert table.exit_code == 0, table.stderr
+
+
 # --- fuzzing, in-process (configuration is torch-free) -----------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")

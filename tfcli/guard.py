@@ -177,12 +177,14 @@ def shortfall(nbytes: int, device: str = "cpu", max_memory: int | None = None) -
 
 
 def require(nbytes: int, what: str, max_memory: int | None = None, device: str = "cpu",
-            how: str = "") -> None:
-    """Refuse, in one line naming the estimate and the limit, a run that would not fit."""
+            how: str = "", hint: str | None = None) -> None:
+    """Refuse, in one line naming the estimate and the limit, a run that would not fit.
+    ``hint`` ends the line (None: smaller sizes, or --max-memory)."""
     budget = available(device, max_memory)
     if nbytes > budget.bytes:
-        hint = ("" if budget.source == "--max-memory"
-                else "; use smaller sizes, or --max-memory SIZE if the limit is wrong")
+        if hint is None:
+            hint = ("" if budget.source == "--max-memory"
+                    else "; use smaller sizes, or --max-memory SIZE if the limit is wrong")
         raise TfcliError(f"{what} needs an estimated {gib(nbytes)}" + (f" ({how})" if how else "")
                          + f", but {gib(budget.bytes)} is available on {device} "
                            f"({budget.source}){hint}")

@@ -14,7 +14,7 @@ from tfcli.cli.options import (AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, 
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
 from tfcli.cli.rules import Needs, Rule, Rules, any_model
-from tfcli.guard import guard_build
+from tfcli.guard import guard_build, require
 
 
 class DType(str, Enum):
@@ -97,6 +97,7 @@ def _per_rank(v) -> str | None:
                  if value is not None), None)
 
 
+JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len),
              "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
@@ -450,6 +451,15 @@ def params(
     model = subject.build(build_on.value)
     apply_freeze(model, freeze or [])
     report = param_report(model, subject.experts_per_token())
+    if json_out:  # refused before the memory estimates, not after
+        # Every module and buffer whole, then JSON text: 3.2-3.9 KB per row at the peak
+        # (tracemalloc, a 100-layer Llama and 2,000 Linear modules), which 130,000 modules
+        # (10,000 Llama layers) make half a gigabyte.
+        rows = len(report.layers) + len(report.buffers)
+        require(JSON_BYTES_PER_ROW * rows, "params --json", None, "cpu",
+                f"{rows:,} modules and buffers, about {JSON_BYTES_PER_ROW // 1024} KiB apiece "
+                f"while the JSON is made", hint="; without --json the table folds repeated "
+                "layers (--depth 0 gives the totals alone)")
 
     served = None
     if inference and device_memory is not None:  # serving: does it fit, what fits
