@@ -81,9 +81,8 @@ def test_a_deep_config_is_named_from_its_json_before_anything_is_built(tmp_path,
     for name in ("", "shallow.json", "missing.json"):  # a missing one: left to the full reading
         with hf_size.announce_depth(str(tmp_path / name)):
             pass
-    assert shown == [f"hf:{tmp_path / ''}: {hf_size.EARLY_ABOVE + 1:,} layers "
-                     f"(num_hidden_layers); loading torch and Transformers to count their "
-                     f"modules"]
+    assert shown == [f"{hf_size.EARLY_ABOVE + 1:,} layers (num_hidden_layers): loading torch "
+                     f"to count their modules"]
     assert capsys.readouterr().err == ""
 
 

@@ -82,8 +82,7 @@ def announce_depth(text: str) -> contextlib.AbstractContextManager:
                          f"modules, at least {gib(layers * BYTES_PER_MODULE)} of Python "
                          f"objects to build, but {gib(budget.bytes)} is available "
                          f"({budget.source}); is the layer count meant?")
-    return working(f"hf:{text}: {layers:,} layers ({key}); loading torch and Transformers "
-                   f"to count their modules")
+    return working(f"{layers:,} layers ({key}): loading torch to count their modules")
 
 
 def _layer_keys(config, layer_keys: tuple[str, ...], depth: int = 0) -> list[tuple[object, str]]:
