@@ -118,6 +118,25 @@ def test_counting_hooks_no_tensor_and_counts_as_torch_does():
     assert counted.flop_counter == reference.get_total_flops() > 0
 
 
+def test_the_forward_pass_output_is_freed_on_a_thread_with_a_large_stack():
+    """Issue 25: a model that hooks each layer's output makes its output a chain torch frees
+    recursively, on the C stack of whichever thread drops it: the main thread's 8 MiB held
+    some tens of thousands of layers. trace() drops it on a thread of its own (256 MiB)."""
+    import threading
+    import weakref
+
+    freed_on = []
+
+    class Doubles(nn.Module):
+        def forward(self, x):
+            out = x * 2
+            weakref.finalize(out, lambda: freed_on.append(threading.current_thread().name))
+            return out
+
+    trace(Doubles(), {"x": torch.zeros(2)})
+    assert freed_on == ["tfcli-release"]
+
+
 @pytest.mark.parametrize("kernel", ["naive", "sdpa"])
 def test_flops_are_the_same_on_meta_and_cpu(kernel):
     meta = run_trace("tiny", "meta", attention=kernel)[3]

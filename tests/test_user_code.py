@@ -379,6 +379,16 @@ NO_INTERPRETER = {  # name -> (a script whose crash comes inside contained(), th
                                      "args=('[' * 10**7,))\n"
                                      "    t.start()\n"
                                      "    t.join()\n", "in its forward pass"),
+    # deeper still than the thread tfcli frees a forward pass's output on (its stack made
+    # small here): the crash is the model's, named as such
+    "overflow-as-the-output-is-freed": ("import json, sys\nfrom tfcli.subjects import contain\n"
+                                        "sys.setrecursionlimit(10**8)\n"
+                                        "contain.RELEASE_STACK = 2**20\n"
+                                        "class Output:\n"
+                                        "    def __del__(self):\n"
+                                        "        json.loads('[' * 10**7)\n"
+                                        "contain.release([Output()], 'as its output was freed')\n",
+                                        "as its output was freed"),
     # a thread that never held the GIL faults while the main thread holds it (PyDLL calls do):
     # a handler that needs the interpreter waits for the GIL for as long as it is held
     "thread-without-the-gil": ("import ctypes, sys\nsys.setswitchinterval(60)\n"

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from tfcli.errors import TfcliError
 from tfcli.inspection.moe import routing_of
 from tfcli.inspection.ops import Op, OpObserver
+from tfcli.subjects.contain import release
 
 
 def shapes_of(value) -> list[list[int] | None]:
@@ -228,7 +229,8 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
                 lambda m, a, kw, out, path=path: post(path, m, a, kw, out), with_kwargs=True))
         try:
             with OpObserver(on_op, every_formula=True):
-                call(model)
+                output = [call(model)]
+            release(output, "as its forward pass's output was freed")
         except TfcliError:
             raise  # bad input the model itself explains
         except Exception as error:  # the model's own failure: say where it happened

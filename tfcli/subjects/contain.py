@@ -387,6 +387,35 @@ def contained(stage: str):
                 restore()
 
 
+# A forward pass's output holds the autograd graph of every layer. torch frees a plain graph
+# node by node, but where the model hooked its tensors (Python hooks) each layer's tensors free
+# the next layer's from inside their own destructors: a few hundred bytes of C stack a layer,
+# so tens of thousands of layers overflow the main thread's 8 MiB (SIGSEGV, measured with
+# torch's own per-module hooks on 10,000 Llama layers). Dropped on a thread with 32 times the
+# stack, inside contained(): still deeper, it is a crash of the model's, in one line.
+RELEASE_STACK = 256 * 2**20  # address space only: a thread's stack takes memory as it is used
+
+
+def release(box: list, stage: str) -> None:
+    """Empty ``box``, which holds the only reference to what the model returned, on a thread
+    with a stack of RELEASE_STACK (see above), while ``stage`` names what a crash says."""
+    with contained(stage):
+        try:
+            before = threading.stack_size(RELEASE_STACK)
+        except (ValueError, RuntimeError):  # no stack size to choose here
+            box.clear()
+            return
+        try:
+            thread = threading.Thread(target=box.clear, name="tfcli-release", daemon=True)
+            thread.start()
+        except RuntimeError:  # the address space (ulimit -v) holds no such stack
+            box.clear()
+            return
+        finally:
+            threading.stack_size(before)
+        thread.join()
+
+
 def signal_came() -> bool:
     """Whether a KeyboardInterrupt now is Ctrl-C or SIGTERM reaching tfcli, not one the
     model raised itself. tfcli's handler (``tfcli.cli.signals.Signals``) records the signal
