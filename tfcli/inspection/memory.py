@@ -68,7 +68,10 @@ def _output_bytes(output, skip: set[int]) -> int:
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Counts bytes of storages created by ops and still alive; keeps the running peak."""
+    """Counts bytes of storages created by ops and still alive; keeps the running peak.
+    ``watch``: called after each allocation (see _UnitsBackward)."""
+
+    watch: Callable[[], None] | None = None
 
     def __init__(self, existing: list[Tensor]) -> None:
         super().__init__()
@@ -92,6 +95,8 @@ class _LiveStorages(TorchDispatchMode):
                     self.live += nbytes
                     self.peak = max(self.peak, self.live)
                     self._allocated(key, nbytes, t, func)
+                    if self.watch is not None:
+                        self.watch()
                     weakref.finalize(storage, self._free, key, nbytes)
         return out
 
@@ -153,17 +158,106 @@ class _SavedTensors:
         return out
 
 
-def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int]) -> list:
+class _UnitsBackward:
+    """Where the units' backward begins and ends in the replay, for a data-parallel plan that
+    follows FSDP2's order (tfcli.parallel.traced): the loss's and the head's backward run
+    before the units', the embeddings' after them, and FSDP2 holds a unit's gradients
+    unsharded until its backward is over (the root's until the very end).
+
+    - begins: the gradient of a unit's output arrives (the first to arrive is the last
+      unit's): the peak so far and the bytes alive then;
+    - each unit's backward, from its output's gradient to the next unit's: the most it adds
+      to what is alive as it begins, its parameters' gradients kept (the replay accumulates
+      them into gradients that exist before the step; FSDP2 keeps each one it is given);
+    - ends: the gradient of the first unit's input arrives; the peak of what follows (the
+      embeddings' backward) is kept apart;
+    - the trainable parameters outside the units whose gradients are accumulated before it
+      begins (the head's, the final norm's). A tied weight's gradient is accumulated once,
+      after the embeddings' backward; until then the head's share waits in autograd, alive in
+      the replay too."""
+
+    def __init__(self, live: "_LiveStorages") -> None:
+        self.live = live
+        self.calls = 0
+        self.start_peak = self.start_live = self.end_peak = None
+        self.late_numel = 0
+        self.unit_excess = 0
+        self._unit: int | None = None  # the unit whose backward runs
+        self._base = self._grads = self._high = 0
+        self._peak_before_end: int | None = None
+
+    def watch_input(self, tensors) -> None:
+        """The first unit's inputs (called once, as the first unit is entered)."""
+        for t in tensors:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(self._ended)
+
+    def watch_output(self, unit: int, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: self._began(unit))
+
+    def watch_parameters(self, root: list, inside: list) -> list:
+        return ([p.register_post_accumulate_grad_hook(self._root_grad) for p in root]
+                + [p.register_post_accumulate_grad_hook(self._unit_grad) for p in inside])
+
+    def _began(self, unit: int) -> None:
+        if self.start_peak is None:
+            self.start_peak, self.start_live = self.live.peak, self.live.live
+        if unit != self._unit and self._peak_before_end is None:
+            self._unit_over()
+            self._unit, self._grads = unit, 0
+            self._base = self._high = self.live.live
+
+    def allocated(self) -> None:
+        """After each allocation: what FSDP2 would hold, the unit's gradients kept. (Not at
+        the accumulation itself, where the replay still holds the gradient it adds in.)"""
+        if self._unit is not None:
+            self._high = max(self._high, self.live.live + self._grads)
+
+    def _unit_grad(self, p) -> None:
+        if self._unit is not None:
+            self._grads += p.numel() * p.element_size()
+
+    def _root_grad(self, p) -> None:
+        if self.start_peak is None:
+            self.late_numel += p.numel()
+
+    def _unit_over(self) -> None:
+        if self._unit is not None:
+            self.unit_excess = max(self.unit_excess, self._high - self._base)
+            self._unit = None
+
+    def _ended(self, grad) -> None:
+        if self.start_peak is not None and self._peak_before_end is None:
+            self._unit_over()
+            self._peak_before_end, self.live.peak = self.live.peak, self.live.live
+
+    def close(self) -> None:
+        """After backward: the peak since the units' backward ended, and the whole peak."""
+        self._unit_over()
+        if self._peak_before_end is not None:
+            self.end_peak = self.live.peak
+            self.live.peak = max(self._peak_before_end, self.live.peak)
+
+
+def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int],
+                marks: _UnitsBackward | None = None) -> list:
     """Hooks that tell ``saved`` which unit runs, and add to ``inputs[i]`` the bytes of the
     tensors unit i is called with that no earlier unit was called with (what full activation
-    checkpointing keeps of it)."""
+    checkpointing keeps of it); ``marks`` learns where the units' backward begins and ends."""
     seen: set[int] = set()
 
     def enter(index: int):
         def hook(module, args, kwargs):
             saved.owner = index
             saved.units_began = True
-            for t in tree_flatten((args, kwargs))[0]:
+            leaves = tree_flatten((args, kwargs))[0]
+            if marks is not None and not marks.calls:
+                marks.watch_input(leaves)
+            if marks is not None:
+                marks.calls += 1
+            for t in leaves:
                 if isinstance(t, Tensor) and t.is_floating_point():
                     key = id(storage_of(t))
                     if key not in seen:
@@ -172,6 +266,8 @@ def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int])
         return hook
 
     def leave(module, args, output):
+        if marks is not None:
+            marks.watch_output(saved.owner, tree_flatten(output)[0])
         saved.owner = None
 
     handles = []
@@ -193,6 +289,14 @@ class ActivationEstimate:
     # with units: what was saved for backward before the first unit ran (embeddings), by
     # kind: a pipeline's first stage keeps it
     before_units: dict[str, int] = field(default_factory=dict)
+    # with units (_UnitsBackward; None where the units' backward was not seen): the peak up to
+    # where the units' backward begins and the bytes alive then; the peak of what runs after
+    # it ends; elements of the parameters outside the units with gradients before it begins
+    start_peak: int | None = None
+    start_live: int | None = None
+    end_peak: int | None = None
+    late_root_numel: int = 0
+    unit_excess: int = 0  # the most one unit's backward adds, its gradients kept
 
     @property
     def working_bytes(self) -> int:
@@ -239,27 +343,48 @@ def simulate_training_step(build: Callable[[], nn.Module],
                else contextlib.nullcontext())
         blocks = units(model) if units is not None else []
         unit_inputs = [0] * len(blocks)
-        handles = _unit_hooks(blocks, saved, unit_inputs)
+        marks = _UnitsBackward(live) if blocks else None
+        handles = _unit_hooks(blocks, saved, unit_inputs, marks)
+        root_hooks = []
+        if marks is not None:
+            inside = {id(p): p for block in blocks for p in block.parameters()
+                      if p.requires_grad}
+            root_hooks = marks.watch_parameters(
+                [p for p in model.parameters() if p.requires_grad and id(p) not in inside],
+                list(inside.values()))
+            live.watch = marks.allocated
         with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
                 _as_device(device):
             try:
-                with running(model, during=REPLAY), amp, attention_kernel(kernel), \
-                        OpObserver(saved.on_op):
-                    output = inputs(model)
-                    out = loss(output)
+                try:
+                    with running(model, during=REPLAY), amp, attention_kernel(kernel), \
+                            OpObserver(saved.on_op):
+                        output = inputs(model)
+                        out = loss(output)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                held = (_output_bytes(output, set(saved.by_storage)) if loop == "keep-output"
+                        else 0)
+                if loop != "keep-output":
+                    del output
+                sums = saved.sums()
+                unit_saved = [saved.sums(i) for i in range(len(blocks))]
+                before = saved.sums(BEFORE_UNITS) if blocks else {}
+                with running(model, "backward pass", REPLAY):
+                    out.backward()
+                del out
             finally:
-                for handle in handles:
+                for handle in root_hooks:
                     handle.remove()
-            held = _output_bytes(output, set(saved.by_storage)) if loop == "keep-output" else 0
-            if loop != "keep-output":
-                del output
-            sums = saved.sums()
-            unit_saved = [saved.sums(i) for i in range(len(blocks))]
-            before = saved.sums(BEFORE_UNITS) if blocks else {}
-            with running(model, "backward pass", REPLAY):
-                out.backward()
-            del out
-    return ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held, before)
+            if marks is not None:
+                marks.close()
+    estimate = ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held, before)
+    if marks is not None and marks.start_peak is not None:
+        estimate = replace(estimate, start_peak=marks.start_peak, start_live=marks.start_live,
+                           end_peak=marks.end_peak, late_root_numel=marks.late_numel,
+                           unit_excess=marks.unit_excess)
+    return estimate
 
 
 def _as_device(device: str):
