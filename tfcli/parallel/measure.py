@@ -62,42 +62,57 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
 
 
 def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: str | None = None,
-                             reshard_after_forward: bool = True) -> dict[str, dict]:
+                             reshard_after_forward: bool = True,
+                             precision: str | None = None) -> dict[str, dict]:
     """The same for any subject (a user's module, a Transformers model): built as the subject
     builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
     largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
-    ``sizes`` and its loss."""
+    ``sizes`` and its loss. ``precision``: None (fp32), "autocast" (the step under
+    torch.autocast bf16) or "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`` on every unit)."""
     from tfcli.parallel.units import find_units
 
     return _tracked(subject, lambda: subject.build("cpu"),
                     lambda model: find_units(model, wrap).modules, world, sizes,
-                    reshard_after_forward, root_default=True)
+                    reshard_after_forward, root_default=True, precision=precision)
 
 
-def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool) -> None:
+def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
+           mp_policy=None) -> None:
     """FSDP2 ``fully_shard`` on each unit, then on the root. ``root_default``: the root unit
     as fully_shard leaves it by default, gathered from forward to backward (else it is
     resharded like the layers)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=None if root_default and
-                reshard_after_forward else reshard_after_forward)
+                reshard_after_forward else reshard_after_forward, mp_policy=mp_policy)
 
 
 def _tracked(subject, build, units, world: int, sizes: dict[str, int],
-             reshard_after_forward: bool, root_default: bool = False) -> dict[str, dict]:
+             reshard_after_forward: bool, root_default: bool = False,
+             precision: str | None = None) -> dict[str, dict]:
     """``root_default``: the root unit as fully_shard leaves it by default, gathered from
-    forward to backward (else it is resharded like the layers)."""
+    forward to backward (else it is resharded like the layers); ``precision``: see
+    :func:`fsdp_fake_memory_subject`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if precision not in (None, "autocast", "fsdp-mixed"):
+        raise TfcliError(f"precision {precision!r}: allowed: autocast, fsdp-mixed (None: fp32)")
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if precision == "fsdp-mixed" else None)
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "autocast" \
+        else contextlib.nullcontext
     with _fake_world(world) as mesh:
         with FakeTensorMode():
             model = build()
-            _shard(model, units(model), mesh, reshard_after_forward, root_default)
+            _shard(model, units(model), mesh, reshard_after_forward, root_default, mp_policy)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                          lr=1e-4)
             inputs = subject.make_inputs(model, sizes, "cpu")
@@ -106,7 +121,8 @@ def _tracked(subject, build, units, world: int, sizes: dict[str, int],
             snapshots = {}
             with tracker:
                 for step in range(2):  # the first step creates the optimizer state
-                    loss = subject.loss(inputs(model))
+                    with amp():
+                        loss = subject.loss(inputs(model))
                     loss.backward()
                     if step == 1:
                         snapshots["after_backward"] = _by_name(tracker.get_tracker_snapshot())
