@@ -7,8 +7,9 @@ replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.pl
   each parameter's first dimension N ways, as FSDP2 shards (ZeRO's flat buffers give Ψ/N,
   within a row per parameter).
 - Wrap units (:mod:`tfcli.parallel.units`): FSDP gathers the root unit for the whole step and
-  one layer unit at a time, with the next one prefetched; backward reduce-scatters one unit's
-  gradients.
+  one layer unit at a time, with the next one prefetched; backward reduce-scatters a unit's
+  gradients when its backward is over, the root's last (the head's are held unsharded through
+  every layer's backward).
 - Activations: one replay of the whole model at the rank's batch
   (:func:`tfcli.inspection.memory.estimate_activations`), each saved tensor attributed to the
   unit whose forward saved it; the rest (embeddings, head, loss, backward's working set) is the
@@ -32,6 +33,7 @@ refused here in one line.
 from __future__ import annotations
 
 import functools
+import math
 
 from tfcli.errors import TfcliError
 from tfcli.parallel.experts import ExpertLayout
@@ -150,7 +152,7 @@ class TracedModel:
                 how += (f"; ep={ep}: routing uniform, each rank's E/{ep} experts process "
                         f"the B·L·k token slots it receives, as many as in the replay")
             lines += act
-            peak = self._peak(lines, per_unit, n, zero, sb, ep)
+            peak = self._peak(lines, estimate, per_unit, n, zero, sb, ep)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
                       "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
@@ -264,15 +266,30 @@ class TracedModel:
                             f"from forward to backward) + the largest layer unit ({unit:,}) × "
                             f"{g} B; units: {units.how}", "communication", sb.name))
         if zero == 3 and n > 1 and largest:
+            # the root's buffers: its rows padded to a multiple of N, as FSDP2 pads them
+            root = shard_numel(units.root.shapes, n) * n
+            grads = shard_numel(units.root.trainable_shapes, n) * n
+            mixed = (f" (computed in {sb.half}, reduced in fp32)"
+                     if sb.unit_grads != sb.reduced else "")
             out += [
                 Line("all-gather buffer", unit * g,
-                     f"{tag} the next layer unit gathered ahead (prefetch): {unit:,} × {g} B",
+                     f"{tag} the next layer unit gathered ahead (prefetch): {unit:,} × {g} B"
+                     + (f"; as forward starts, the root's own all-gather output, {root:,} × "
+                        f"{g} B, kept until the next all-gather is copied out (the peak's "
+                        f"root's all-gather moment)" if root > unit else ""),
                      "communication", sb.name),
-                Line("reduce-scatter buffer", largest.trainable * sb.reduced,
-                     f"{tag} one layer unit's unsharded gradients: {largest.trainable:,} × "
-                     f"{sb.reduced} B" + (f" (computed in {sb.half}, reduced in fp32)"
-                                          if sb.unit_grads != sb.reduced else ""),
-                     "communication", sb.name),
+                Line("reduce-scatter buffer", max(largest.trainable, grads) * sb.reduced,
+                     f"{tag} the largest copy of a unit's gradients to be reduced: "
+                     + (f"the root's, when its backward is over, {grads:,} × {sb.reduced} B "
+                        f"(a layer unit's: {largest.trainable:,})" if grads > largest.trainable
+                        else f"a layer unit's, {largest.trainable:,} × {sb.reduced} B")
+                     + mixed, "communication", sb.name),
+                Line("unsharded root gradients", units.root.trainable * sb.unit_grads,
+                     f"{tag} the root unit's gradients, {units.root.trainable:,} × "
+                     f"{sb.unit_grads} B: FSDP2 reduce-scatters a unit's gradients when its "
+                     f"backward is over, so the head's are held through every layer unit's "
+                     f"backward and the embeddings' join them at the end", "communication",
+                     sb.name),
             ]
         elif zero == 0 and n > 1:
             trainable = sum(h.trainable for h in self._holdings(n, ep))
@@ -305,62 +322,164 @@ class TracedModel:
                         "for backward in the replay", "activations"))
         out.append(Line(WORKING, max(estimate.peak_bytes - in_units - outside, 0),
                         "the replay's peak less every saved tensor: gradients in flight where "
-                        "backward starts (the loss's and the head's)"
+                        + ("the embeddings' backward runs, after the units' (a tied head's "
+                           "share, the embeddings' and their sum)"
+                           if (estimate.end_peak or 0)
+                           > (estimate.start_peak or estimate.peak_bytes)
+                           else "backward starts (the loss's and the head's)")
                         + (f"; {estimate.held_output:,} B of it the model's output, held by "
                            f"the keep-output loop" if estimate.held_output else ""),
                         "activations"))
         return out, max(kept, default=0)
 
-    def _peak(self, lines: list[Line], per_unit: int, n: int, zero: int, sb: Policy,
-              ep: int = 1):
-        """The step's moments. Without FSDP, tfcli.parallel.plan.step_peak's. With it
-        (FSDP2's default: the root gathered from forward to backward, the layer units
-        resharded after their forward), the loss's backward runs with the root alone
-        gathered; then each unit is gathered with the next one prefetched, the head's
-        activations gone and gradients in flight (taken as the replay's working set); a
-        unit's backward ends with its unsharded gradients, their
-        reduce-scatter copy and its sharded result alive, its activations gone."""
+    def _peak(self, lines: list[Line], estimate, per_unit: int, n: int, zero: int,
+              sb: Policy, ep: int = 1):
+        """The step's moments. Without ZeRO-3, tfcli.parallel.plan.step_peak's; DeepSpeed's
+        ZeRO-3 (module units, no root kept gathered) :meth:`_deepspeed_peak`'s. FSDP2, as
+        fully_shard leaves the root (gathered from forward to backward) and its layer units
+        (resharded after forward), in the order it runs them:
+
+        - the root's all-gather as forward starts: FSDP2 keeps an all-gather's output until
+          the next one is copied out, so the root's output is alive beside its gathered
+          parameters while the first layer unit is gathered;
+        - the loss's and the head's backward, the root alone gathered, every activation alive;
+        - the layer units' backward, each unit gathered with the next one prefetched, its
+          activations traded for its unsharded gradients; when a unit's backward is over its
+          gradients are copied out to be reduce-scattered, and that copy is in flight while
+          the next unit runs;
+        - the embeddings' backward, after every layer unit's;
+        - the root's reduce-scatter, last: FSDP2 reduces a unit's gradients only when its
+          whole backward is over, so the root's (the head's, the final norm's) are held
+          unsharded through every layer unit's backward, and a weight tied to the embeddings
+          collects the head's share and the embeddings' before they are summed.
+
+        What autograd holds at each point is the replay's (``estimate``: where the units'
+        backward begins and ends, tfcli.inspection.memory._UnitsBackward)."""
         from tfcli.parallel.plan import Peak
 
         peak = step_peak(lines, per_unit, False)
-        units = self.experts.rank_units(ep) if ep > 1 else self.units
-        largest = units.largest
         if zero != 3:
             return peak
+        if sb.name == "deepspeed":
+            return self._deepspeed_peak(lines, per_unit, sb, ep, peak)
+        units = self.experts.rank_units(ep) if ep > 1 else self.units
+        root, largest = units.root, units.largest
+
+        def shard(group) -> int:
+            return (self.experts.unit_shard(group, n, ep) if ep > 1
+                    else shard_numel(group.trainable_shapes, n))
+
         by = {line.name: line.bytes for line in lines}
         states = sum(line.bytes for line in lines if line.kind == "model states"
                      and line.name != "gradients")
-        activations = by["activations: layers"] + by["activations: outside the units"]
+        layers, outside = by["activations: layers"], by["activations: outside the units"]
         extra = by.get("activations: recomputed layer", 0)
-        deepspeed = sb.name == "deepspeed"  # module units, no root kept gathered
-        root = 0 if deepspeed else units.root.numel * sb.gathered
+        root_gathered = root.numel * sb.gathered
+        root_grads = root.trainable * sb.unit_grads
+        # every layer unit's sharded gradients, present once the layer units' backward is over
+        unit_shards = by["gradients"] - shard(root) * sb.grads
+        start, carried, late, after = self._backward_facts(estimate, by, root, sb)
+        # FSDP2 keeps an all-gather's output until the next one is copied out
+        unit_gathered = largest.numel * sb.gathered if largest else 0
+        ahead = unit_gathered if n > 1 else 0
+        moments = {"root's all-gather": (states + root_gathered * (2 if n > 1 else 1)
+                                         + unit_gathered + ahead),
+                   "loss backward": states + root_gathered + layers + outside + start}
+        reduce = 0
+        if largest:
+            gathered = root_gathered + unit_gathered + ahead
+            one = min(per_unit, layers)
+            # the most a unit's backward adds to what is alive as it begins: its gradients,
+            # kept, and its working set, as its activations go
+            grows = (estimate.unit_excess if estimate.start_peak is not None
+                     else max(largest.trainable * sb.unit_grads - one, 0))
+            # a layer unit's reduce-scatter copy, in flight while the next unit runs
+            reduce = largest.trainable * sb.reduced if n > 1 else 0
+            held = states + gathered + layers + extra + carried + late
+            moments["first unit's backward"] = held + grows
+            if len(units.groups) > 1:
+                moments["inside backward (FSDP)"] = (held - one + grows + reduce
+                                                     + shard(largest) * sb.grads)
+        moments["embeddings' backward"] = states + unit_shards + root_gathered + after + reduce
+        moments["root's reduce-scatter"] = (states + unit_shards + root_grads
+                                            + shard(root) * n * sb.reduced)
+        moment = max(moments, key=moments.__getitem__)
+        how = ("the largest of these moments of a step with zero_grad(set_to_none=True) under "
+               "FSDP2's default resharding (the root gathered from forward to backward, the "
+               "layer units resharded after forward), in the order they come: the root's "
+               "all-gather as forward starts (its all-gather output beside its gathered "
+               "parameters, the first layer unit gathered and the next prefetched); the loss's "
+               "backward (model states but the gradients, the root gathered, every "
+               "activation, and the replay's working set until the units' backward); the "
+               "first unit's backward (the head's activations gone; the root, one unit and "
+               "the next, prefetched, gathered; the root's gradients made so far, held "
+               "unsharded until its own backward is over; what autograd holds beside the "
+               "units' activations, a tied weight's head share included; and the most a "
+               "unit's backward adds in the replay, its unsharded gradients kept); inside "
+               "backward (the next unit's, one unit's activations gone, its reduce-scatter "
+               "copy and sharded gradients present); the embeddings' backward (every unit's "
+               "sharded gradients and the last reduce-scatter copy, the root gathered, its "
+               "gradients and the replay's peak after the units: a tied weight's two shares "
+               "and their sum); the root's reduce-scatter (its unsharded gradients and their "
+               "copy, the root resharded)")
+        return Peak(moments[moment], moment, moments, how)
+
+    @staticmethod
+    def _backward_facts(estimate, by: dict, root, sb: Policy) -> tuple[int, int, int, int]:
+        """From the replay, in bytes: the working set until the units' backward begins (the
+        loss's and the head's gradients in flight); what autograd holds beside the units'
+        activations when it begins; the root gradients FSDP2 holds from then on (the
+        parameters whose gradients came before); what it holds at the peak after the units'
+        backward beside the gathered root and the sharded gradients. Without units, the
+        replay's working set stands for each."""
+        if estimate.start_peak is None:
+            working = by[WORKING]
+            return working, by["activations: outside the units"] + working, 0, working
+        start = estimate.start_peak - sum(estimate.saved_bytes.values())
+        in_units = sum(sum(kinds.values()) for kinds in estimate.unit_saved)
+        carried = estimate.start_live - in_units
+        late = estimate.late_root_numel * sb.unit_grads
+        if estimate.end_peak is None:
+            return start, carried, late, late + by[WORKING]
+        # The replay accumulates into gradients that exist before the step, so its peak after
+        # the units counts only gradients in flight, where FSDP2 holds every root gradient
+        # made so far: the late ones, or all of them less the one made at that peak (the
+        # embeddings', or a tied weight's sum), which becomes a gradient itself.
+        biggest = max((math.prod(shape) for shape in root.trainable_shapes), default=0)
+        after = estimate.end_peak + max(late, (root.trainable - biggest) * sb.unit_grads)
+        return start, carried, late, after
+
+    def _deepspeed_peak(self, lines: list[Line], per_unit: int, sb: Policy, ep: int, peak):
+        """DeepSpeed ZeRO-3 gathers and reduce-scatters one module's own parameters at a
+        time: the loss's backward, the units' backward start (the working set still in
+        flight) and inside backward (one unit's activations traded for the largest
+        module's gradients), beside step_peak's backward end."""
+        from tfcli.parallel.plan import Peak
+
+        by = {line.name: line.bytes for line in lines}
+        states = sum(line.bytes for line in lines if line.kind == "model states"
+                     and line.name != "gradients")
+        layers = by["activations: layers"]
+        activations = layers + by["activations: outside the units"]
+        extra = by.get("activations: recomputed layer", 0)
         gathered = by["unsharded parameters"] + by.get("all-gather buffer", 0)
         module = self.experts.largest_module(ep) if ep > 1 else self.largest_module
-        unit_numel = module if deepspeed else largest.trainable if largest else 0
-        unit_shard = 0
-        if largest and not deepspeed:
-            unit_shard = (self.experts.unit_shard(largest, n, ep) if ep > 1
-                          else shard_numel(largest.trainable_shapes, n))
-        unit_grads = unit_numel * sb.unit_grads
         moments = {
-            "loss backward": states + root + activations + by[WORKING],
-            "units' backward start": states + gathered + by["activations: layers"] + extra
-                                     + by[WORKING],
+            "loss backward": states + activations + by[WORKING],
+            "units' backward start": states + gathered + layers + extra + by[WORKING],
             "inside backward (FSDP)": (states + gathered + activations + extra
-                                       - min(per_unit, by["activations: layers"]) + unit_grads
-                                       + by.get("reduce-scatter buffer", 0)
-                                       + unit_shard * sb.grads),
+                                       - min(per_unit, layers) + module * sb.unit_grads
+                                       + by.get("reduce-scatter buffer", 0)),
             "backward end": peak.moments["backward end"]}
         moment = max(moments, key=moments.__getitem__)
         how = ("the largest of these moments of a step with zero_grad(set_to_none=True), "
-               "FSDP2's default resharding (the root gathered from forward to backward, the "
-               "layer units resharded after forward): the loss's backward (model states "
-               "but the gradients, the root gathered, every activation and the working set); "
-               "the units' backward start (the head's activations gone, the working set "
-               "still in flight; the root, one unit and the next, prefetched, gathered); inside backward (that less one unit's "
-               "activations, plus its unsharded gradients, their reduce-scatter copy and "
-               "sharded result); backward end (every line but the all-gather buffer, one "
-               "unit's activations left)")
+               "DeepSpeed ZeRO-3 gathering one module at a time: the loss's backward (model "
+               "states but the gradients, every activation and the working set); the units' "
+               "backward start (the head's activations gone, the working set still in "
+               "flight, the largest module gathered); inside backward (one unit's "
+               "activations less, the largest module's unsharded gradients and their "
+               "reduce-scatter copy); backward end (every line but the all-gather buffer, "
+               "one unit's activations left)")
         return Peak(moments[moment], moment, moments, how)
 
 
