@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import resource
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -804,11 +805,13 @@ HEAVY_ROOT = {"gpt2-vocab": {"model_type": "gpt2", "n_embd": 64, "n_layer": 3, "
                               "num_attention_heads": 4, "num_key_value_heads": 2,
                               "vocab_size": 4096, "max_position_embeddings": 64}}
 HEAVY_PRECISIONS = [None, "autocast", "fsdp-mixed"]  # None: fp32
+# Mixtral with two layers: the second layer's backward has no unit to prefetch, and a
+# mixture-of-experts layer's backward makes its experts' gradients one expert at a time
+MIXTRAL = Path(__file__).resolve().parents[1] / "examples" / "mixtral-tiny"
+MIXTRAL_CASES = [(8, 2, 64, None), (4, 1, 16, "fsdp-mixed")]  # N, B, L, precision
 
 
 def _heavy_files(where) -> dict[str, list[str]]:
-    from pathlib import Path
-
     for name, config in HEAVY_ROOT.items():
         (Path(where) / f"{name}.json").write_text(json.dumps(config))
     return {name: ["--model", f"hf:{Path(where) / f'{name}.json'}"] for name in HEAVY_ROOT}
@@ -855,6 +858,10 @@ def _traced_fsdp() -> dict:
             for precision in {HEAVY_PRECISIONS!r}:
                 out[f"{{name}}/{{precision}}"] = fsdp_fake_memory_subject(
                     subject, 4, {{"B": 1, "S": 8, "T": 8, "L": 8}}, precision=precision)
+        subject = resolve_subject(model="hf:{MIXTRAL}")
+        for n, b, s, precision in {MIXTRAL_CASES!r}:
+            out[f"mixtral/{{n}}/{{b}}x{{s}}/{{precision}}"] = fsdp_fake_memory_subject(
+                subject, n, {{"B": b, "S": s, "T": s, "L": s}}, precision=precision)
         print(json.dumps(out))
         """, timeout=240)
     return {"files": files, "heavy": heavy, "measured": out}
@@ -919,6 +926,19 @@ def test_traced_fsdp_peak_with_a_heavy_root_agrees_with_fsdp_mem_tracker(traced_
     assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
     assert lines["reduce-scatter buffer"] == pytest.approx(
         measured["largest"]["Reduce Scatter"], rel=0.05)
+
+
+@pytest.mark.parametrize("n,b,s,precision", MIXTRAL_CASES)
+def test_traced_fsdp_peak_of_a_two_layer_moe_model(traced_fsdp, n, b, s, precision):
+    """Transformers' Mixtral, two layers of eight experts: the peak within 1 % of
+    FSDPMemTracker's, inside a layer's backward."""
+    from tfcli.parallel.traced import TracedModel
+
+    measured = traced_fsdp["measured"][f"mixtral/{n}/{b}x{s}/{precision}"]
+    p = TracedModel(_subject(["--model", f"hf:{MIXTRAL}"])).plan(
+        Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s},
+        precision=precision or "autocast")
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
 def test_traced_units_are_the_largest_module_lists_blocks(traced_models):

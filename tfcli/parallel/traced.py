@@ -393,13 +393,20 @@ class TracedModel:
             # kept, and its working set, as its activations go
             grows = (estimate.unit_excess if estimate.start_peak is not None
                      else max(largest.trainable * sb.unit_grads - one, 0))
+            if ep > 1 and estimate.start_peak is not None:
+                # the replay runs every expert; the gradients of those on other ranks are not
+                # this rank's
+                others = self.units.largest.trainable - largest.trainable
+                grows = max(grows - others * sb.unit_grads, 0)
             # a layer unit's reduce-scatter copy, in flight while the next unit runs
             reduce = largest.trainable * sb.reduced if n > 1 else 0
             held = states + gathered + layers + extra + carried + late
             moments["first unit's backward"] = held + grows
             if len(units.groups) > 1:
-                moments["inside backward (FSDP)"] = (held - one + grows + reduce
-                                                     + shard(largest) * sb.grads)
+                # the next unit's; nothing is prefetched for the last one (the first layer)
+                moments["inside backward (FSDP)"] = (
+                    held - one + grows + reduce + shard(largest) * sb.grads
+                    - (ahead if len(units.groups) == 2 else 0))
         moments["embeddings' backward"] = states + unit_shards + root_gathered + after + reduce
         moments["root's reduce-scatter"] = (states + unit_shards + root_grads
                                             + shard(root) * n * sb.reduced)
