@@ -346,7 +346,9 @@ class TracedModel:
         - the layer units' backward, each unit gathered with the next one prefetched, its
           activations traded for its unsharded gradients; when a unit's backward is over its
           gradients are copied out to be reduce-scattered, and that copy is in flight while
-          the next unit runs;
+          the next unit runs (on one rank too); the units done have left their sharded
+          gradients, so with small activations or few ranks the last unit's backward holds
+          the most;
         - the embeddings' backward, after every layer unit's;
         - the root's reduce-scatter, last: FSDP2 reduces a unit's gradients only when its
           whole backward is over, so the root's (the head's, the final norm's) are held
@@ -398,15 +400,20 @@ class TracedModel:
                 # this rank's
                 others = self.units.largest.trainable - largest.trainable
                 grows = max(grows - others * sb.unit_grads, 0)
-            # a layer unit's reduce-scatter copy, in flight while the next unit runs
-            reduce = largest.trainable * sb.reduced if n > 1 else 0
+            # a layer unit's reduce-scatter copy, in flight while the next unit runs (made on
+            # one rank too: FSDP2 copies the gradients out whatever the world)
+            reduce = largest.trainable * sb.reduced
             held = states + gathered + layers + extra + carried + late
             moments["first unit's backward"] = held + grows
-            if len(units.groups) > 1:
-                # the next unit's; nothing is prefetched for the last one (the first layer)
-                moments["inside backward (FSDP)"] = (
-                    held - one + grows + reduce + shard(largest) * sb.grads
-                    - (ahead if len(units.groups) == 2 else 0))
+            count = len(units.groups)
+            if count > 1:
+                # the i-th unit after the first: i units' activations gone, their sharded
+                # gradients present (with small activations or few ranks these outgrow what
+                # was freed, so the last unit's is the largest); nothing is prefetched for the
+                # last one (the first layer)
+                moments["inside backward (FSDP)"] = max(
+                    held + grows + reduce + i * (shard(largest) * sb.grads - one)
+                    - (ahead if i == count - 1 else 0) for i in range(1, count))
         moments["embeddings' backward"] = states + unit_shards + root_gathered + after + reduce
         moments["root's reduce-scatter"] = (states + unit_shards + root_grads
                                             + shard(root) * n * sb.reduced)
@@ -423,8 +430,9 @@ class TracedModel:
                "unsharded until its own backward is over; what autograd holds beside the "
                "units' activations, a tied weight's head share included; and the most a "
                "unit's backward adds in the replay, its unsharded gradients kept); inside "
-               "backward (the next unit's, one unit's activations gone, its reduce-scatter "
-               "copy and sharded gradients present); the embeddings' backward (every unit's "
+               "backward (each later unit's, the largest of them: as many units' activations "
+               "gone as units done and their sharded gradients present, the last one's "
+               "reduce-scatter copy in flight, nothing prefetched for the last unit); the embeddings' backward (every unit's "
                "sharded gradients and the last reduce-scatter copy, the root gathered, its "
                "gradients and the replay's peak after the units: a tied weight's two shares "
                "and their sum); the root's reduce-scatter (its unsharded gradients and their "
