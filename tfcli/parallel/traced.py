@@ -432,11 +432,11 @@ class TracedModel:
                "unit's backward adds in the replay, its unsharded gradients kept); inside "
                "backward (each later unit's, the largest of them: as many units' activations "
                "gone as units done and their sharded gradients present, the last one's "
-               "reduce-scatter copy in flight, nothing prefetched for the last unit); the embeddings' backward (every unit's "
-               "sharded gradients and the last reduce-scatter copy, the root gathered, its "
-               "gradients and the replay's peak after the units: a tied weight's two shares "
-               "and their sum); the root's reduce-scatter (its unsharded gradients and their "
-               "copy, the root resharded)")
+               "reduce-scatter copy in flight, nothing prefetched for the last unit); the "
+               "embeddings' backward (every unit's sharded gradients and the last "
+               "reduce-scatter copy, the root gathered, its gradients and the replay's peak "
+               "after the units: a tied weight's two shares and their sum); the root's "
+               "reduce-scatter (its unsharded gradients and their copy, the root resharded)")
         return Peak(moments[moment], moment, moments, how)
 
     @staticmethod
