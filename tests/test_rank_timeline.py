@@ -98,9 +98,9 @@ def test_rank_json_is_a_snapshot_with_fsdps_categories(cli, tmp_path):
     plan = data["peak"]["bytes"]
     assert written["peak_line"] == (f"the per-rank plan's peak is {plan:,} B: "
                                     f"{plan - written['peak_bytes']:+,} B")
-    # above it: the plan adds one unit's gradients, their reduce-scatter buffer and the next
-    # unit's all-gather at one moment, which FSDP2 does not hold at once (here +15.7 %)
-    assert 0 <= plan - written["peak_bytes"] <= 0.2 * written["peak_bytes"]
+    # the plan follows FSDP2's order (here +2.4 %, was +15.7 % before it did: an
+    # encoder-decoder, which its moments fit less closely than a decoder-only model)
+    assert abs(plan - written["peak_bytes"]) <= 0.05 * written["peak_bytes"]
 
 
 def test_rank_html_draws_fsdps_categories_from_nowhere(rank_tracked):
