@@ -2,9 +2,10 @@
 Korthikanti et al. 2022 (Table 2) beside it as the cross-check.
 
 The replay (:func:`tfcli.inspection.memory.estimate_activations`) runs the share — heads, FFN
-width and vocabulary divided by t, the sequence by C — at the stage's depth and with one more
-layer per stack: what a layer saves grows exactly linearly, so the difference is one layer and
-the peak less all layers is the rest (embeddings, output, loss, backward's working set).
+width and vocabulary divided by t, the sequence by C — at the stage's depth, and at one and two
+layers per stack: what a layer saves grows exactly linearly, so the difference between those
+two is one layer, and the peak at the stage's depth less all its layers is the rest
+(embeddings, output, loss, backward's working set).
 Sequence parallelism, which the replay cannot run, removes what tensor parallelism leaves
 replicated in each residual sublayer (the norm's input and output, the dropout mask), t ways.
 """
@@ -56,7 +57,7 @@ def korthikanti_layer(s: int, b: int, h: int, a: int, t: int, sp: bool,
 
 @dataclass(frozen=True)
 class Replay:
-    """Replay of one rank's share at the stage's depth (and at one layer per stack)."""
+    """Replay of one rank's share at the stage's depth (and at one and two layers per stack)."""
     per_layer: int  # bytes one layer saves for backward (the same in every layer)
     per_layer_attention: int  # of which [B, h, T, S] attention matrices
     rest: int  # the peak less all layers' saved bytes: embeddings, output, loss, working set
@@ -81,10 +82,14 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
                  mixed: str | None = None, kernel: str = "auto",
                  depth: tuple[int, int] = (1, 1), loop: str = "loss-only",
                  device: str = "cpu") -> Replay:
-    """Replays at ``depth`` (encoder, decoder layers) and with one more layer per stack: the
-    saved bytes grow exactly linearly with layers (their difference is one layer); the peak
-    at ``depth`` less its layers is the rest (with ``loop`` "keep-output", the model's output
-    held through backward too), with ``device``'s code paths (tfcli.inspection.cuda_replay)."""
+    """Replays at ``depth`` (encoder, decoder layers), and at one and two layers per stack: the
+    saved bytes grow exactly linearly with layers, so the difference between one and two
+    layers is a layer wherever the stack stops (a difference taken at ``depth`` and
+    ``depth`` + 1 would replay the whole model twice); the peak at ``depth`` less its layers
+    is the rest (with ``loop`` "keep-output", the model's output held through backward too),
+    which the peak's moment makes no linear function of the depth. ``device``: whose code
+    paths (tfcli.inspection.cuda_replay). The shallow replays are remembered
+    (tfcli.inspection.memory), so plans of one model at several depths share them."""
     from tfcli.inspection.memory import estimate_activations
     from tfcli.subjects.own import OwnSubject
 
@@ -96,14 +101,15 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
                                     device=device)
 
     at, how = run(*depth)
-    more, _ = run(depth[0] + 1, depth[1] + 1)
+    one, _ = run(1, 1)
+    two, _ = run(2, 2)
     stacks = cfg.has_encoder + cfg.has_decoder
     layers = depth[0] * cfg.has_encoder + depth[1] * cfg.has_decoder
     saved = lambda e, kind=None: (sum(e.saved_bytes.values()) if kind is None  # noqa: E731
                                   else e.saved_bytes.get(kind, 0))
     # an encoder-decoder adds an encoder and a decoder layer: share the difference between them
-    per_layer = (saved(more) - saved(at)) // stacks
-    per_attn = (saved(more, "attention matrices") - saved(at, "attention matrices")) // stacks
+    per_layer = (saved(two) - saved(one)) // stacks
+    per_attn = (saved(two, "attention matrices") - saved(one, "attention matrices")) // stacks
     rest = at.peak_bytes - per_layer * layers
     return Replay(per_layer, per_attn, rest, how + (f", one rank's share (h/{t}, d_ff/{t}, V/{t})"
                                                      if t > 1 else ""), at.held_output)
