@@ -14,7 +14,6 @@ was made; a few rows are checked below."""
 
 from __future__ import annotations
 
-import gc
 import inspect
 import json
 from pathlib import Path
@@ -151,16 +150,15 @@ def transformers_count(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    """Each configuration written once as its config.json; gc.freeze keeps the collections
-    bench makes between lengths from walking the whole heap of the test process."""
+    """Each configuration written once as its config.json (tests/conftest.py keeps the
+    collections bench makes between lengths from walking the whole heap of the test
+    process)."""
     folder = tmp_path_factory.mktemp("zoo")
     paths = {}
     for name in TINY:
         paths[name] = folder / f"{name}.json"
         config_of(name).to_json_file(paths[name])
-    gc.freeze()
-    yield paths
-    gc.unfreeze()
+    return paths
 
 
 def run_json(cli, *args):
