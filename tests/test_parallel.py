@@ -202,18 +202,52 @@ def _cfg_dicts() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def tracked():
-    return background.result("tracked")
+def fake_world():
+    return background.result("fake_world")
 
 
-@background.job("tracked")
-def _tracked() -> dict:
-    """In one fresh process, on torch.distributed's fake process group: FSDPMemTracker's
-    figures for both configurations at N = 1, 2, 8, MemTracker's activations per layer under
-    torch's Colwise/RowwiseParallel at t = 2, 4, and the local parameter counts of those shards
-    at t = 2."""
+@background.job("fake_world")
+def _fake_world() -> dict:
+    """The checks on torch.distributed's fake process group, in one fresh process (an
+    interpreter that has imported torch, its distributed package and Transformers has spent
+    about 3 s of CPU before it measures anything): each script below runs there in turn, as a
+    script of its own, and the one JSON line it prints is kept under its name."""
+    import atexit
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="tfcli-traced-")
+    atexit.register(shutil.rmtree, where, True)
+    files, heavy = _traced_files(where), _heavy_files(where)
+    # the tensor-parallel part of "tracked" leaves its fake process group up: it runs last
+    scripts = {"zero1": _zero1_script(), "traced": _traced_script(files, heavy),
+               "tracked": _tracked_script()}
+    out = run_python(f"""
+        import contextlib, io, json
+        out = {{}}
+        for name, script in {scripts!r}.items():
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(script, name, "exec"), {{"__name__": "__main__"}})
+            out[name] = json.loads(printed.getvalue().strip().splitlines()[-1])
+        print(json.dumps(out))
+        """, timeout=600)
+    return {"tracked": out["tracked"], "zero1": out["zero1"],
+            "traced_fsdp": {"files": files, "heavy": heavy, "measured": out["traced"]}}
+
+
+@pytest.fixture(scope="module")
+def tracked(fake_world):
+    return fake_world["tracked"]
+
+
+def _tracked_script() -> str:
+    """On torch.distributed's fake process group: FSDPMemTracker's figures for both
+    configurations at N = 1, 2, 8, MemTracker's activations per layer under torch's
+    Colwise/RowwiseParallel at t = 2, 4, and the local parameter counts of those shards at
+    t = 2."""
     tp_cfg = _cfg("llama").replace(n_decoder_layers=2).to_dict()
-    return run_python(f"""
+    return textwrap.dedent(f"""
         import json
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -242,7 +276,7 @@ def _tracked() -> dict:
             if kind:
                 local[kind] += (p.to_local() if hasattr(p, "to_local") else p).numel()
         print(json.dumps(out))
-        """, timeout=240)
+        """)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -330,16 +364,15 @@ def test_tp_activations_per_layer_agree_with_mem_tracker(tracked, name, t):
 
 
 @pytest.fixture(scope="module")
-def zero1():
-    return background.result("zero1")
+def zero1(fake_world):
+    return fake_world["zero1"]
 
 
-@background.job("zero1")
-def _zero1() -> dict:
+def _zero1_script() -> str:
     """torch's ZeRO-1, ``ZeroRedundancyOptimizer`` over Adam, on the fake process group as
     each rank r of N in turn (small real models): the bytes of optimizer state (not counting
     Adam's step counters) each rank creates."""
-    return run_python(f"""
+    return textwrap.dedent(f"""
         import json, torch
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -365,7 +398,7 @@ def _zero1() -> dict:
                     "per_rank": per_rank,
                     "largest": max(p.numel() for p in model.parameters())}}
         print(json.dumps(out))
-        """, timeout=240)
+        """)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -825,23 +858,17 @@ def _subject(args: list[str]):
 
 
 @pytest.fixture(scope="module")
-def traced_fsdp():
-    return background.result("traced_fsdp")
+def traced_fsdp(fake_world):
+    return fake_world["traced_fsdp"]
 
 
-@background.job("traced_fsdp")
-def _traced_fsdp() -> dict:
-    """In one fresh process, FSDPMemTracker on the fake process group for models tfcli did not
-    build — Transformers' Llama, Qwen2 and GPT-2 and a user's module — sharded with FSDP2 ``fully_shard`` on
-    the units tfcli finds (the largest ModuleList's blocks) and the root, at N = 2, 4, 8."""
-    import atexit
-    import shutil
-    import tempfile
-
-    where = tempfile.mkdtemp(prefix="tfcli-traced-")
-    atexit.register(shutil.rmtree, where, True)
-    files, heavy = _traced_files(where), _heavy_files(where)
-    out = run_python(f"""
+def _traced_script(files: dict[str, list[str]], heavy: dict[str, list[str]]) -> str:
+    """FSDPMemTracker on the fake process group for models tfcli did not build — Transformers'
+    Llama, Qwen2 and GPT-2 and a user's module (``files``: their --model arguments) — sharded
+    with FSDP2 ``fully_shard`` on the units tfcli finds (the largest ModuleList's blocks) and
+    the root, at N = 2, 4, 8; the root-heavy models (``heavy``) and Mixtral under each
+    precision."""
+    return textwrap.dedent(f"""
         import json, warnings
         warnings.simplefilter("ignore")  # FSDP2's advice about views returned by the root
         from tfcli.parallel.measure import fsdp_fake_memory_subject
@@ -863,8 +890,7 @@ def _traced_fsdp() -> dict:
             out[f"mixtral/{{n}}/{{b}}x{{s}}/{{precision}}"] = fsdp_fake_memory_subject(
                 subject, n, {{"B": b, "S": s, "T": s, "L": s}}, precision=precision)
         print(json.dumps(out))
-        """, timeout=240)
-    return {"files": files, "heavy": heavy, "measured": out}
+        """)
 
 
 @pytest.fixture(scope="module")
