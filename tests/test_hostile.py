@@ -817,30 +817,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rank_waiting_for_peers_stops_on_sigterm(tmp_path):
-    """Issue 25: started with torchrun's variables and no peer, bench waited at the rendezvous
-    (in native code) and ignored Ctrl-C and SIGTERM until killed. It stops as usual."""
+@pytest.fixture(scope="module")
+def rank_alone():
+    return background.result("rank_alone")
+
+
+@background.job("rank_alone")
+def _rank_alone() -> tuple[int, str]:
+    """bench with torchrun's variables and no peer, sent SIGTERM once it waits at the
+    rendezvous, in a directory of its own: its exit code and stderr."""
     import socket
 
     port = _free_port()
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "tfcli", *RANK_ALONE], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_limited())
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:  # rank 0 hosts the store
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=20)
-    finally:
-        proc.kill()  # if it still waits, so no process is left behind
-    assert proc.returncode == 143 and stderr == "tfcli: terminated (SIGTERM)\n", stderr
+    env = {**background.session_env(), "WORLD_SIZE": "2", "RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with tempfile.TemporaryDirectory(prefix="tfcli-rank-alone-") as where:
+        proc = background.popen([sys.executable, "-m", "tfcli", *RANK_ALONE], cwd=where,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=_limited())
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:  # rank 0 hosts the store
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=20)
+        finally:
+            proc.kill()  # if it still waits, so no process is left behind
+    return proc.returncode, stderr
+
+
+def test_rank_waiting_for_peers_stops_on_sigterm(rank_alone):
+    """Issue 25: started with torchrun's variables and no peer, bench waited at the rendezvous
+    (in native code) and ignored Ctrl-C and SIGTERM until killed. It stops as usual."""
+    code, stderr = rank_alone
+    assert code == 143 and stderr == "tfcli: terminated (SIGTERM)\n", stderr
 
 
 @pytest.mark.parametrize("env,message", [

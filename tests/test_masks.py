@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import background
+
 from tfcli.model import masks
 from tfcli.model.attention import Attend
 from tfcli.inspection.maskcheck import mask_set
@@ -318,16 +320,50 @@ def _rule(key: str, q: int, k: int, window: int | None, src_len: int, tgt_len: i
 def _subprocess(args: list[str], columns: int = 100):
     """`python -m tfcli` under a 3 GiB address-space limit: the old code refused (it sized
     whole grids), and a regression that builds them fails here, not in the OOM killer."""
-    import os
     import resource
     import subprocess
     import sys
 
     limit = 3 * 2**30
-    return subprocess.run(
-        [sys.executable, "-m", "tfcli", *args], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1"},
+    return background.run(
+        [sys.executable, "-m", "tfcli", *args], 120, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**background.session_env(), "COLUMNS": str(columns), "NO_COLOR": "1"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+
+
+HUGE_N = 10**6
+HUGE_GRIDS = [  # preset, window, source lengths, target lengths
+    ("gpt2-small", None, None, [HUGE_N, HUGE_N - 3]),
+    ("tiny", 5, [HUGE_N - 2, HUGE_N], [4, HUGE_N]),
+]
+HUGE_JSON = ["masks", "--preset", "gpt2-small", "--set", f"max_seq_len={HUGE_N}", "--set",
+             "attention_window=3", "--tgt-lens", f"{HUGE_N},{HUGE_N - 1}", "--json",
+             "--max-grid", "6", "--convention", "additive"]
+
+
+def _huge_grid_args(preset, window, src, tgt) -> list[str]:
+    args = ["masks", "--preset", preset, "--set", f"max_seq_len={HUGE_N}", "--batch-index", "0",
+            "--tgt-lens", ",".join(map(str, tgt))]
+    if window:
+        args += ["--set", f"attention_window={window}"]
+    if src:
+        args += ["--src-lens", ",".join(map(str, src))]
+    return args
+
+
+@pytest.fixture(scope="module")
+def huge():
+    return background.result("huge")
+
+
+@background.job("huge")
+def _huge() -> dict:
+    """The huge-length runs, each a process of its own (tests/background.py: beside the
+    in-process tests): the grids by preset, and the JSON."""
+    out = {case[0]: _subprocess(_huge_grid_args(*case)) for case in HUGE_GRIDS}
+    out["json"] = _subprocess(HUGE_JSON)
+    return out
 
 
 def _parse_grids(text: str) -> dict[str, tuple[list, list[tuple]]]:
@@ -355,19 +391,10 @@ KEYS = {"encoder sliding window": "encoder_window", "encoder self-attention": "e
         "cross-attention (memory)": "cross"}
 
 
-@pytest.mark.parametrize("preset,window,src,tgt", [
-    ("gpt2-small", None, None, [10**6, 10**6 - 3]),
-    ("tiny", 5, [10**6 - 2, 10**6], [4, 10**6]),
-])
-def test_huge_lengths_draw_elided_grids_with_the_right_cells(preset, window, src, tgt):
-    n = 10**6
-    args = ["masks", "--preset", preset, "--set", f"max_seq_len={n}", "--batch-index", "0",
-            "--tgt-lens", ",".join(map(str, tgt))]
-    if window:
-        args += ["--set", f"attention_window={window}"]
-    if src:
-        args += ["--src-lens", ",".join(map(str, src))]
-    result = _subprocess(args)
+@pytest.mark.parametrize("preset,window,src,tgt", HUGE_GRIDS)
+def test_huge_lengths_draw_elided_grids_with_the_right_cells(huge, preset, window, src, tgt):
+    n = HUGE_N
+    result = huge[preset]
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     grids = _parse_grids(result.stdout)
@@ -397,11 +424,9 @@ def test_huge_lengths_draw_elided_grids_with_the_right_cells(preset, window, src
             assert note == (not any(_rule(key, q, k, window, src_len, tgt_len) for k in keys))
 
 
-def test_huge_lengths_json_is_elided_with_its_positions():
-    n = 10**6
-    result = _subprocess(["masks", "--preset", "gpt2-small", "--set", f"max_seq_len={n}",
-                          "--set", "attention_window=3", "--tgt-lens", f"{n},{n - 1}", "--json",
-                          "--max-grid", "6", "--convention", "additive"])
+def test_huge_lengths_json_is_elided_with_its_positions(huge):
+    n = HUGE_N
+    result = huge["json"]
     assert result.returncode == 0, result.stderr
     assert len(result.stdout) < 20_000
     data = json.loads(result.stdout)

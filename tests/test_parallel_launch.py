@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,14 +100,19 @@ TORCHRUN_ENV = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"
     ([], "under torchrun (WORLD_SIZE=2), bench runs training steps of the model on each rank"),
 ])
 def test_under_torchrun_bad_input_is_one_line_from_rank_0(cli, monkeypatch, args, message):
+    import tfcli.parallel.bench
+
     for name, value in {**TORCHRUN_ENV, "RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     result = cli("bench", "-p", "tiny", "--seq-lens", "16", *args)
     assert result.exit_code == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    monkeypatch.setenv("RANK", "1")  # the other ranks refuse too, without a word
+    monkeypatch.setenv("RANK", "1")  # the other ranks refuse too, without a word, after
+    monkeypatch.setattr(tfcli.parallel.bench, "REFUSAL_WAIT_S", 0.05)  # a wait (2 s)
+    start = time.monotonic()
     result = cli("bench", "-p", "tiny", "--seq-lens", "16", *args)
     assert result.exit_code == 2 and result.stderr.strip() == ""
+    assert time.monotonic() - start >= 0.05
 
 
 def test_context_parallelism_is_refused_in_one_line(cli):

@@ -279,6 +279,9 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits at the rendezvous for the others: torchrun starts them together, so a
 # peer that has not come by then never will (variables left in the environment, say).
 RENDEZVOUS_S = 120.0
+# Seconds a rank other than 0 that refuses its input waits before it exits: torchrun ends
+# every rank once one exits non-zero, and rank 0 is the one that says why.
+REFUSAL_WAIT_S = 2.0
 
 
 def torchrun_world() -> int | None:
@@ -425,10 +428,9 @@ def bench_cli(cfg, what: str, nproc: int | None, strategy: str | None, backend: 
             import signal
             import time
 
-            # torchrun ends every rank once one exits non-zero: give rank 0 time to say why,
-            # and end quietly when torchrun ends this one
+            # give rank 0 time to say why, and end quietly when torchrun ends this one
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(2)
+            time.sleep(REFUSAL_WAIT_S)
             raise SystemExit(error.exit_code) from None
     else:
         _bench_cli(cfg, what, nproc, strategy, backend, lengths, batch, seed, json_out,
