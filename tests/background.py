@@ -10,6 +10,11 @@ in the main one; the tests that read a job's result run last (tests/conftest.py 
 and the fixture waits for its job if it is still running. A job that raises makes its fixture raise, so
 its tests fail; none is skipped.
 
+Jobs run in two lanes, one at a time in each (a thread each). Lane 2 holds the jobs that spend
+most of their time waiting rather than computing (real ranks starting, a deadline running
+out), so that their waiting overlaps the other jobs' work instead of adding to it, and work
+that fills those waits (the README's examples, tests/test_readme.py).
+
 A job runs while in-process tests change the working directory and the environment (a test
 may set torchrun's variables, or plant a ``json.py`` in the directory it runs in): the
 processes a job starts get the directory and the environment the session started with.
@@ -25,37 +30,44 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 _JOBS: dict[str, Callable[[], Any]] = {}
+_LANES: dict[str, int] = {}  # job -> its lane (1 or 2)
 _FUTURES: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # lane -> its thread
 _CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
 _TIMES: dict[str, list[float]] = {}  # job -> [seconds it ran, seconds tests waited for it]
 
 
-def job(fixture: str) -> Callable:
+def job(fixture: str, lane: int = 1) -> Callable:
     """Register the decorated function (no arguments) as the job whose result ``fixture``
-    returns. The fixture must have that name and be a parameter of the tests that read it
-    (not fetched with ``request.getfixturevalue``): that is how the session sees which jobs
-    its tests need, and which tests to run last."""
+    returns, run in ``lane`` (see above). The fixture must have that name and be a parameter
+    of the tests that read it, or a fixture they use (not fetched with
+    ``request.getfixturevalue``): that is how the session sees which jobs its tests need, and
+    which tests to run last."""
+    assert lane in (1, 2), lane
+
     def register(fn: Callable[[], Any]) -> Callable[[], Any]:
         assert fixture not in _JOBS, f"two jobs for fixture {fixture!r}"
         _JOBS[fixture] = fn
+        _LANES[fixture] = lane
         return fn
 
     return register
 
 
 def start(fixtures: Iterable[str]) -> list[str]:
-    """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), in the order
-    they were registered (their modules' order, which is the order the tests need them)."""
-    global _POOL
+    """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), each lane's in
+    the order they were registered (their modules' order, which is the order the tests need
+    them)."""
     wanted = set(fixtures)
     names = [name for name in _JOBS if name in wanted and name not in _FUTURES]
-    if names and _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
     for name in names:
-        _FUTURES[name] = _POOL.submit(_timed, name)
+        lane = _LANES[name]
+        if lane not in _POOLS:
+            _POOLS[lane] = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix=f"background-lane-{lane}")
+        _FUTURES[name] = _POOLS[lane].submit(_timed, name)
     return names
 
 
@@ -88,7 +100,7 @@ def result(fixture: str) -> Any:
 def summary() -> list[str]:
     """A line per job that ran: its seconds, and how long tests waited for it (the time the
     background added to the session)."""
-    return [f"{name}: ran {ran:.1f} s, tests waited {waited:.1f} s"
+    return [f"{name} (lane {_LANES[name]}): ran {ran:.1f} s, tests waited {waited:.1f} s"
             for name, (ran, waited) in _TIMES.items()]
 
 
@@ -124,11 +136,11 @@ def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 def stop() -> None:
     """At the session's end: jobs not yet begun are dropped, processes still running killed."""
-    if _POOL is not None:
-        _POOL.shutdown(wait=False, cancel_futures=True)
+    for pool in _POOLS.values():
+        pool.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
         for proc in _PROCESSES:
             if proc.poll() is None:
                 proc.kill()
-    if _POOL is not None:
-        _POOL.shutdown(wait=True)
+    for pool in _POOLS.values():
+        pool.shutdown(wait=True)

@@ -822,7 +822,7 @@ def rank_alone():
     return background.result("rank_alone")
 
 
-@background.job("rank_alone")
+@background.job("rank_alone", lane=2)
 def _rank_alone() -> tuple[int, str]:
     """bench with torchrun's variables and no peer, sent SIGTERM once it waits at the
     rendezvous, in a directory of its own: its exit code and stderr."""

@@ -1,13 +1,24 @@
 """Every `tfcli ...` example in the README's ```sh blocks runs and exits 0 (long-running ones
-are shown in ```console blocks instead, which this test leaves out)."""
+are shown in ```console blocks instead, which this test leaves out).
+
+The examples are whole models (GPT-2 small built and run, the paper's big model and Llama 3 8B
+replayed): they run one after another in an interpreter of their own, as tests/conftest.py's
+runner runs tfcli (the console script's way, in that process), as a job beside the in-process
+tests (tests/background.py); each example's test reads its exit code and stderr. ``python
+tests/test_readme.py`` runs them and prints what each did."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+import background
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
@@ -19,8 +30,7 @@ def test_readme_has_examples():
     assert len(EXAMPLES) >= 3
 
 
-@pytest.fixture
-def one_block_per_cell(monkeypatch):
+def _one_block_per_cell() -> None:
     """bench as the README runs it, each cell ending after its first timed block and the
     machine's load sampled over 10 ms instead of 250: these tests check that the examples run
     and exit 0, not what they measure (tests/test_bench.py holds the timing rules), and the
@@ -30,10 +40,9 @@ def one_block_per_cell(monkeypatch):
     import tfcli.bench.sweep
     from tfcli.bench.timer import CellTimer, machine_state
 
-    monkeypatch.setattr(CellTimer, "spent", property(lambda self: float("inf")))
-    monkeypatch.setattr(CellTimer, "reliable", lambda self: True)
-    monkeypatch.setattr(tfcli.bench.sweep, "machine_state",
-                        functools.partial(machine_state, window=0.01))
+    CellTimer.spent = property(lambda self: float("inf"))
+    CellTimer.reliable = lambda self: True
+    tfcli.bench.sweep.machine_state = functools.partial(machine_state, window=0.01)
 
 
 def _as_in_the_repository(where: Path) -> None:
@@ -41,12 +50,46 @@ def _as_in_the_repository(where: Path) -> None:
         (where / folder).symlink_to(README.parent / folder)
 
 
+def run_examples() -> dict[str, list]:
+    """Every example in this process, each in a directory of its own (examples may write
+    files: --csv, --profile) that holds the repository's examples/ and tests/: example ->
+    [exit code, stderr]."""
+    import os
+    import tempfile
+
+    from conftest import invoke
+
+    _one_block_per_cell()
+    here, out = os.getcwd(), {}
+    for line in EXAMPLES:
+        with tempfile.TemporaryDirectory(prefix="tfcli-readme-") as where:
+            _as_in_the_repository(Path(where))
+            os.chdir(where)
+            try:
+                result = invoke(shlex.split(line)[1:], env={"COLUMNS": "100"})
+            finally:
+                os.chdir(here)
+        out[line] = [result.exit_code, result.stderr]
+    return out
+
+
+@pytest.fixture(scope="module")
+def readme_runs():
+    return background.result("readme_runs")
+
+
+@background.job("readme_runs", lane=2)
+def _readme_runs() -> dict[str, list]:
+    done = background.run([sys.executable, __file__], 600, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("line", EXAMPLES)
-def test_readme_example_runs(cli, line, tmp_path, monkeypatch, one_block_per_cell):
-    monkeypatch.chdir(tmp_path)  # examples may write files (--csv, --profile)
-    _as_in_the_repository(tmp_path)
-    result = cli(*shlex.split(line)[1:])
-    assert result.exit_code == 0, result.stderr
+def test_readme_example_runs(readme_runs, line):
+    code, stderr = readme_runs[line]
+    assert code == 0, stderr
 
 
 def test_readme_library_example_runs():
@@ -54,3 +97,7 @@ def test_readme_library_example_runs():
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert tuple(namespace["logits"].shape) == (2, 5, namespace["cfg"].tgt_vocab_size)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_examples()))

@@ -333,7 +333,7 @@ def user_code_processes():
     return background.result("user_code_processes")
 
 
-@background.job("user_code_processes")
+@background.job("user_code_processes", lane=2)
 def _processes() -> dict:
     """Every process case, one after another, each in a directory of its own."""
     out = {}
