@@ -119,6 +119,14 @@ def ctrl_c_at_block(monkeypatch):
 # --- checks that run in processes of their own (tests/background.py) ----------------------------
 
 
+@pytest.fixture(scope="session")
+def fake_world():
+    """What each script registered in tests/fake_world.py printed, by name (its job's result)."""
+    import background
+
+    return background.result("fake_world")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "quiet: runs before the background jobs start (it needs idle CPUs)")

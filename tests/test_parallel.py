@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 import background
+from fake_world import script
 from tfcli.parallel.plan import Parallel, parse_parallel, plan, stage_params
 from tfcli.errors import TfcliError
 from tfcli.model.presets import get_preset
@@ -202,45 +203,11 @@ def _cfg_dicts() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def fake_world():
-    return background.result("fake_world")
-
-
-@background.job("fake_world")
-def _fake_world() -> dict:
-    """The checks on torch.distributed's fake process group, in one fresh process (an
-    interpreter that has imported torch, its distributed package and Transformers has spent
-    about 3 s of CPU before it measures anything): each script below runs there in turn, as a
-    script of its own, and the one JSON line it prints is kept under its name."""
-    import atexit
-    import shutil
-    import tempfile
-
-    where = tempfile.mkdtemp(prefix="tfcli-traced-")
-    atexit.register(shutil.rmtree, where, True)
-    files, heavy = _traced_files(where), _heavy_files(where)
-    # the tensor-parallel part of "tracked" leaves its fake process group up: it runs last
-    scripts = {"zero1": _zero1_script(), "traced": _traced_script(files, heavy),
-               "tracked": _tracked_script()}
-    out = run_python(f"""
-        import contextlib, io, json
-        out = {{}}
-        for name, script in {scripts!r}.items():
-            printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                exec(compile(script, name, "exec"), {{"__name__": "__main__"}})
-            out[name] = json.loads(printed.getvalue().strip().splitlines()[-1])
-        print(json.dumps(out))
-        """, timeout=600)
-    return {"tracked": out["tracked"], "zero1": out["zero1"],
-            "traced_fsdp": {"files": files, "heavy": heavy, "measured": out["traced"]}}
-
-
-@pytest.fixture(scope="module")
 def tracked(fake_world):
     return fake_world["tracked"]
 
 
+@script("tracked")
 def _tracked_script() -> str:
     """On torch.distributed's fake process group: FSDPMemTracker's figures for both
     configurations at N = 1, 2, 8, MemTracker's activations per layer under torch's
@@ -275,6 +242,7 @@ def _tracked_script() -> str:
             kind = "attention" if "attn." in name else "ffn" if ".ffn." in name else None
             if kind:
                 local[kind] += (p.to_local() if hasattr(p, "to_local") else p).numel()
+        dist.destroy_process_group()
         print(json.dumps(out))
         """)
 
@@ -368,6 +336,7 @@ def zero1(fake_world):
     return fake_world["zero1"]
 
 
+@script("zero1")
 def _zero1_script() -> str:
     """torch's ZeRO-1, ``ZeroRedundancyOptimizer`` over Adam, on the fake process group as
     each rank r of N in turn (small real models): the bytes of optimizer state (not counting
@@ -419,17 +388,17 @@ def test_zero1_optimizer_state_agrees_with_zero_redundancy_optimizer(zero1, name
 
 
 @pytest.fixture(scope="module")
-def ddp():
-    return background.result("ddp")
+def ddp(fake_world):
+    return fake_world["ddp"]
 
 
-@background.job("ddp")
-def _ddp() -> dict:
+@script("ddp")
+def _ddp_script() -> str:
     """DistributedDataParallel on a real one-rank gloo group (the fake process group cannot run
     DDP's backward: its all-reduce future holds no tensor), once with the default buckets and
     once with gradient_as_bucket_view=True: torch's own bucket sizes (its logging data) and how
     many distinct storages the gradients live in after one backward."""
-    return run_python(f"""
+    return textwrap.dedent(f"""
         import json, os
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -455,9 +424,8 @@ def _ddp() -> dict:
                     "grad_storages": len({{g.untyped_storage().data_ptr() for g in grads}}),
                     "grads": len(grads)}}
         dist.destroy_process_group()
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # past gloo's native teardown, which can abort a loaded machine's exit
-        """, timeout=240)
+        print(json.dumps(out))
+        """)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -857,17 +825,31 @@ def _subject(args: list[str]):
     return resolve_subject(model=args[1], inputs=inputs)
 
 
+# the models' --model arguments, once the traced script has written them
+_TRACED_FILES: dict[str, list[str]] = {}
+_HEAVY_FILES: dict[str, list[str]] = {}
+
+
 @pytest.fixture(scope="module")
 def traced_fsdp(fake_world):
-    return fake_world["traced_fsdp"]
+    return {"files": _TRACED_FILES, "heavy": _HEAVY_FILES, "measured": fake_world["traced"]}
 
 
-def _traced_script(files: dict[str, list[str]], heavy: dict[str, list[str]]) -> str:
+@script("traced")
+def _traced_script() -> str:
     """FSDPMemTracker on the fake process group for models tfcli did not build — Transformers'
-    Llama, Qwen2 and GPT-2 and a user's module (``files``: their --model arguments) — sharded
+    Llama, Qwen2 and GPT-2 and a user's module, written to a directory of their own — sharded
     with FSDP2 ``fully_shard`` on the units tfcli finds (the largest ModuleList's blocks) and
-    the root, at N = 2, 4, 8; the root-heavy models (``heavy``) and Mixtral under each
-    precision."""
+    the root, at N = 2, 4, 8; the root-heavy models and Mixtral under each precision."""
+    import atexit
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="tfcli-traced-")
+    atexit.register(shutil.rmtree, where, True)
+    files, heavy = _TRACED_FILES, _HEAVY_FILES
+    files.update(_traced_files(where))
+    heavy.update(_heavy_files(where))
     return textwrap.dedent(f"""
         import json, warnings
         warnings.simplefilter("ignore")  # FSDP2's advice about views returned by the root

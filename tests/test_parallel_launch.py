@@ -12,13 +12,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 import background
+from fake_world import script
 from rank_scenarios import ranks_of as _ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,13 +196,13 @@ def test_ranks_end_when_the_launcher_is_killed(rank_scenarios):
 
 
 @pytest.fixture(scope="module")
-def comm_counts():
-    return background.result("comm_counts")
+def comm_counts(fake_world):
+    return fake_world["comm_counts"]
 
 
-@background.job("comm_counts")
-def _comm_counts() -> subprocess.CompletedProcess:
-    code = textwrap.dedent("""
+@script("comm_counts")
+def _comm_counts() -> str:
+    return """
         import json, warnings
         warnings.simplefilter("ignore")
         import torch.distributed as dist
@@ -229,10 +229,9 @@ def _comm_counts() -> subprocess.CompletedProcess:
                 step()
             out[strategy] = [own.calls, {getattr(op, "__name__", str(op)).split(".")[-1]: n
                                          for op, n in theirs.get_comm_counts().items()}]
+        dist.destroy_process_group()
         print(json.dumps(out))
-        """)
-    return background.run([sys.executable, "-c", code], 120, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+        """
 
 
 def test_collective_counter_agrees_with_comm_debug_mode(comm_counts):
@@ -240,9 +239,7 @@ def test_collective_counter_agrees_with_comm_debug_mode(comm_counts):
     dispatch counter sees in one FSDP2 or tensor-parallel step equal CommDebugMode's. Each
     layer's dropout module (p = 0) is taken out first: CommDebugMode's module tracker fails on a
     module called twice in one forward."""
-    done = comm_counts
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = comm_counts
     for strategy, (own, theirs) in out.items():
         assert own == theirs and own, (strategy, own, theirs)
     assert set(out["fsdp"][0]) == {"_allgather_base_", "_reduce_scatter_base_"}

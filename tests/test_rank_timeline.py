@@ -1,42 +1,31 @@
 """`params --seq-len L --parallel dp=N,zero=3 --timeline FILE` (issue 23): one rank of an FSDP
 step, drawn from FSDP2 ``fully_shard`` on torch.distributed's fake process group. Checked against
-torch's own FSDPMemTracker watching the same step (in a process of its own: a background job),
+torch's own FSDPMemTracker watching the same step (in a process of its own, tests/fake_world.py),
 against PyTorch's snapshot tooling, and beside the per-rank plan."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import textwrap
 
-import background
 import pytest
+from fake_world import script
 from test_timeline import TINY, USER, trace_peak
 
 N2 = ("--parallel", "dp=2,zero=3")
 SIZES = ("--seq-len", "8", "--batch-size", "2")
 
 
-def _run_python(code: str, timeout: float) -> dict:
-    """The one JSON line ``code`` printed in a fresh interpreter (a process group of its own)."""
-    result = background.run([sys.executable, "-c", textwrap.dedent(code)], timeout,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
-def rank_tracked():
-    return background.result("rank_tracked")
+def rank_tracked(fake_world):
+    return fake_world["rank_tracked"]
 
 
-@background.job("rank_tracked")
-def _rank_tracked() -> dict:
-    """In one fresh process, on a fake world of 2: rank 0's timeline with FSDPMemTracker
-    watching the same step, for tfcli's tiny model and a user's module."""
-    return _run_python(f"""
+@script("rank_tracked")
+def _rank_tracked() -> str:
+    """On a fake world of 2: rank 0's timeline with FSDPMemTracker watching the same step, for
+    tfcli's tiny model and a user's module."""
+    return f"""
         import io, json, warnings
         from tfcli.render.timeline import write_html
         warnings.simplefilter("ignore")  # FSDP2's advice about views returned by the root
@@ -58,7 +47,7 @@ def _rank_tracked() -> dict:
                             "precision": "", "method": ""}}, page)
             out[name]["html"] = page.getvalue()
         print(json.dumps(out))
-        """, timeout=240)
+        """
 
 
 @pytest.mark.parametrize("name", ["tiny", "user"])
