@@ -36,7 +36,7 @@ def real_adamw_step(subject, sizes: dict[str, int], mixed: str | None = None,
     model = subject.build("cpu").train()
     apply_freeze(model, list(freeze))
     optimizer = torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), **adamw)
-    inputs = subject.make_inputs(model, sizes, "cpu")
+    inputs = subject.step_inputs(model, sizes, "cpu")
 
     def forward_backward() -> list:
         """The model's output, in a list the caller holds (empty: dropped before backward)."""

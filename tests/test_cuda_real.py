@@ -49,7 +49,7 @@ def test_the_replayed_peak_is_a_real_cuda_steps(cli, tmp_path, name):
     torch.manual_seed(0)
     model = subject.build("cuda").train()
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    inputs = subject.make_inputs(model, sizes(subject, batch, length, length, None, length),
+    inputs = subject.step_inputs(model, sizes(subject, batch, length, length, None, length),
                                  "cuda")
 
     def step():
@@ -90,7 +90,7 @@ def test_the_replayed_peak_is_memtrackers_on_fake_cuda(cli, tmp_path):
     with FakeTensorMode():
         model = subject.build("cuda").train()
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
-        inputs = subject.make_inputs(model, sizes(subject, batch, length, length, None, length),
+        inputs = subject.step_inputs(model, sizes(subject, batch, length, length, None, length),
                                      "cuda")
         tracker = MemTracker()
         tracker.track_external(model, opt, *inputs.tensors())

@@ -110,7 +110,7 @@ def test_full_checkpointing_under_autocast_keeps_fp32_layer_inputs():
                 block.forward = (lambda fwd: lambda x, *a, **k: (
                     kept.append(x.untyped_storage().nbytes()),
                     checkpoint(fwd, x, *a, use_reentrant=False, **k))[1])(forward)
-    inputs = subject.make_inputs(model, {"B": b, "S": s, "T": s, "L": s}, "cpu")
+    inputs = subject.step_inputs(model, {"B": b, "S": s, "T": s, "L": s}, "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         subject.loss(inputs(model)).backward()
     assert kept and len(kept) == cfg.n_decoder_layers + cfg.n_encoder_layers

@@ -84,6 +84,55 @@ def test_tutorial_activation_replay_matches_the_profiler():
     assert estimate.saved_bytes["attention matrices"] > 0 and "S=24, T=20" in how
 
 
+NANOGPT_LIKE = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=40, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.block = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.block(self.embed(idx), is_causal=True,
+                                      src_mask=nn.Transformer.generate_square_subsequent_mask(
+                                          idx.shape[1], device=idx.device)))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+"""
+
+
+def test_a_model_that_returns_its_own_loss_is_replayed_with_it(cli, tmp_path):
+    """nanoGPT's ``logits, loss = model(idx, targets)``: given the targets, the step replay
+    backpropagates the loss the model returned (the how-line says so), and its peak equals
+    the CPU profiler's on a real step written that way; without them, the stand-in."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from real_steps import real_adamw_step
+    from tfcli.inspection.memory import estimate_step_peak
+    from tfcli.subjects.base import parse_input
+    from tfcli.subjects.user import UserSubject
+
+    (tmp_path / "tiny_gpt.py").write_text(NANOGPT_LIKE)
+    model = f"{tmp_path / 'tiny_gpt.py'}:Tiny"
+    given = ["--input", "idx=int64[B,L]<40", "--input", "targets=int64[B,L]<40"]
+    data = run_json(cli, "params", "--model", model, *given, "--seq-len", "12")
+    assert "the loss the model returned" in data["activations_method"], data["activations_method"]
+    alone = run_json(cli, "params", "--model", model, "--input", "idx=int64[B,L]<40",
+                     "--seq-len", "12")
+    assert "stand-in" in alone["activations_method"]
+    subject = UserSubject(model, {}, [parse_input(g) for g in given[1::2]])
+    sizes = {"B": 2, "L": 12}
+    replayed = estimate_step_peak(subject, sizes, "fp32", None, "adamw")
+    assert abs(replayed - real_adamw_step(subject, sizes).peak) <= 64
+
+
 # --- torch.nn.Transformer by import string ---------------------------------------------------
 
 

@@ -259,7 +259,7 @@ def _profiled_step(subject, sizes):
     torch.manual_seed(0)
     model = subject.build("cpu").train()
     optimizer = torch.optim.Adam(model.parameters())
-    inputs = subject.make_inputs(model, sizes, "cpu")
+    inputs = subject.step_inputs(model, sizes, "cpu")
 
     def step(marks=None):
         out = subject.loss(inputs(model))
@@ -373,7 +373,11 @@ def test_timeline_agrees_with_the_profilers_memory_timeline_of_a_real_step(subje
     profiled: dict[str, int] = {}
     for phase, total in curve:
         profiled[phase] = max(profiled.get(phase, 0), total)
-    assert {"loss", "backward loss", "optimizer step", "zero_grad"} <= set(replayed)
+    # A Transformers model given labels computes its loss inside its own forward: no phase of
+    # its own then, as in the profiled step (the same phases, next line).
+    outside = {"loss"} if "own loss" not in subject.loss_name() else set()
+    assert outside | {"backward loss", "optimizer step", "zero_grad"} <= set(replayed)
+    assert "loss" not in replayed or outside
     assert {p for p in replayed if p.startswith("forward ")} >= {
         p.replace("backward", "forward") for p in replayed if p.startswith("backward ")
         and p != "backward loss"}

@@ -720,10 +720,12 @@ def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, o
     return lines
 
 
-def _replay_args(subject, sizes: dict[str, int], dtype: str, freeze: tuple[str, ...] = ()):
+def _replay_args(subject, sizes: dict[str, int], dtype: str, freeze: tuple[str, ...] = (),
+                 step: bool = True):
     """The replay's build (with ``freeze``'s parameters frozen, as the user's run will have
     them: no gradients, no optimizer state, and autograd keeps nothing for them alone) and
-    its inputs."""
+    its inputs: a training step's (``step``: labels where the model computes its own loss)
+    or a forward's."""
     def build() -> nn.Module:
         model = subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None)
         if freeze:
@@ -732,7 +734,8 @@ def _replay_args(subject, sizes: dict[str, int], dtype: str, freeze: tuple[str, 
             apply_freeze(model, list(freeze))
         return model
 
-    return build, (lambda model: subject.make_inputs(model, sizes, "cpu"))
+    make = subject.step_inputs if step else subject.make_inputs
+    return build, (lambda model: make(model, sizes, "cpu"))
 
 
 def _sizes_text(subject, sizes: dict[str, int]) -> str:
@@ -816,7 +819,7 @@ def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: st
 
 
 def _replay_forward(subject, sizes, dtype, kernel, on_op=None):
-    build, make_inputs = _replay_args(subject, sizes, dtype)
+    build, make_inputs = _replay_args(subject, sizes, dtype, step=False)
     return simulate_forward(build, make_inputs, kernel, on_op)
 
 

@@ -63,18 +63,21 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
 
 def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: str | None = None,
                              reshard_after_forward: bool = True,
-                             precision: str | None = None) -> dict[str, dict]:
+                             precision: str | None = None,
+                             foreach: bool | None = None) -> dict[str, dict]:
     """The same for any subject (a user's module, a Transformers model): built as the subject
     builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
     largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
     ``sizes`` and its loss. ``precision``: None (fp32), "autocast" (the step under
     torch.autocast bf16) or "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=fp32)`` on every unit)."""
+    reduce_dtype=fp32)`` on every unit). ``foreach``: Adam's implementation (None: PyTorch's
+    pick, the for-loop on the CPU)."""
     from tfcli.parallel.units import find_units
 
     return _tracked(subject, lambda: subject.build("cpu"),
                     lambda model: find_units(model, wrap).modules, world, sizes,
-                    reshard_after_forward, root_default=True, precision=precision)
+                    reshard_after_forward, root_default=True, precision=precision,
+                    foreach=foreach)
 
 
 def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
@@ -94,7 +97,7 @@ def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
 
 def _tracked(subject, build, units, world: int, sizes: dict[str, int],
              reshard_after_forward: bool, root_default: bool = False,
-             precision: str | None = None) -> dict[str, dict]:
+             precision: str | None = None, foreach: bool | None = None) -> dict[str, dict]:
     """``root_default``: the root unit as fully_shard leaves it by default, gathered from
     forward to backward (else it is resharded like the layers); ``precision``: see
     :func:`fsdp_fake_memory_subject`."""
@@ -114,8 +117,8 @@ def _tracked(subject, build, units, world: int, sizes: dict[str, int],
             model = build()
             _shard(model, units(model), mesh, reshard_after_forward, root_default, mp_policy)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
-                                         lr=1e-4)
-            inputs = subject.make_inputs(model, sizes, "cpu")
+                                         lr=1e-4, foreach=foreach)
+            inputs = subject.step_inputs(model, sizes, "cpu")
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(inputs.tensors()))
             snapshots = {}
@@ -232,7 +235,7 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
             _shard(model, units, mesh["dp"], True, True)
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                      lr=1e-4)
-        inputs = subject.make_inputs(model, sizes, "cpu")
+        inputs = subject.step_inputs(model, sizes, "cpu")
 
         def step(after_backward=None) -> None:
             loss = subject.loss(inputs(model))

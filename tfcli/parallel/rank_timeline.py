@@ -231,7 +231,7 @@ def rank_timeline(subject, build, units, world: int, sizes: dict[str, int], opti
         _shard(model, units(model), mesh, reshard_after_forward, root_default)
         model.train()
         opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        inputs = subject.make_inputs(model, sizes, "cpu")
+        inputs = subject.step_inputs(model, sizes, "cpu")
         if not isinstance(inputs, Inputs):
             inputs = Inputs((), dict(inputs))
         with running(model, during=REPLAY):

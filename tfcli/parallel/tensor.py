@@ -314,7 +314,7 @@ class TensorParallelModel(TracedModel):
         from tfcli.subjects.base import RunFailed, running
 
         sizes = {**self.subject.default_sizes, "B": 1}
-        inputs = self.subject.make_inputs(model, sizes, "cpu")
+        inputs = self.subject.step_inputs(model, sizes, "cpu")
         try:
             with running(model, "forward and backward pass"):
                 loss = self.subject.loss(inputs(model))
@@ -364,7 +364,7 @@ class TensorParallelModel(TracedModel):
         with fake_world(t) as mesh:
             estimate = simulate_training_step(
                 lambda: self._split(mesh, DTYPES[dtype] if dtype != "fp32" else None),
-                lambda model: subject.make_inputs(model, dict(sizes), "cpu"), subject.loss,
+                lambda model: subject.step_inputs(model, dict(sizes), "cpu"), subject.loss,
                 autocast_dtype=DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
                 units=self._units_of, loop=loop)
         how = (f"fake-tensor replay of forward+backward of one rank's share under tensor "

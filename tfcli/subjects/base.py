@@ -307,9 +307,24 @@ def primary_output(output) -> Tensor:
                      f"tensor to inspect", exit_code=1)  # the model's doing: a failed run
 
 
+def own_loss(output) -> Tensor | None:
+    """The loss the model computed itself, where it returned one: a Transformers output's
+    ``loss`` (given labels), or a 0-dim floating tensor among the items it returned (nanoGPT's
+    ``logits, loss = model(x, targets)``)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, Tensor) and loss.ndim == 0 and loss.is_floating_point():
+        return loss
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, Tensor) and t.ndim == 0
+                     and t.is_floating_point()), None)
+    return None
+
+
 def default_loss(output) -> Tensor:
-    """Mean square of the primary output: a stand-in loss whose backward reaches every layer."""
-    return primary_output(output).float().square().mean()
+    """The model's own loss where it returned one, else the mean square of the primary output:
+    a stand-in loss whose backward reaches every layer."""
+    own = own_loss(output)
+    return own if own is not None else primary_output(output).float().square().mean()
 
 
 class Subject:
@@ -349,11 +364,21 @@ class Subject:
         lengths = [sizes[d] for d in self.length_dims()] or [1]
         return sizes["B"] * lengths[-1]
 
+    def step_inputs(self, model: nn.Module, sizes: dict[str, int],
+                    device: str | torch.device = "meta", seed: int = 0) -> Inputs:
+        """The inputs of one training step: make_inputs's, and whatever the model's own loss
+        needs beside them (a Transformers language model's labels)."""
+        return self.make_inputs(model, sizes, device, seed)
+
     def loss(self, output) -> Tensor:
+        self._returned_loss = own_loss(output) is not None  # for loss_name, after a run
         return default_loss(output)
 
     def loss_name(self) -> str:
-        return "mean-square loss on the output"
+        """The loss the last replayed step used."""
+        if getattr(self, "_returned_loss", False):
+            return "the loss the model returned"
+        return "mean-square loss on the output (a stand-in)"
 
     def model_dims(self, model: nn.Module) -> dict[str, int]:
         """Sizes the model itself defines (d_model, h, d_k, d_ff, V), where known up front."""

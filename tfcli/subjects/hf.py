@@ -460,6 +460,62 @@ class HFSubject(Subject):
             kwargs["interpolate_pos_encoding"] = True  # positions for another image size
         return _MadeInputs((), kwargs)
 
+    # --- the loss a training step computes ---------------------------------------------------
+    # A Transformers language model computes its own loss when given labels, as people train
+    # it (``model(input_ids=x, labels=x).loss``): the logits cast to fp32, shifted one position
+    # for a causal model, cross-entropy over the vocabulary. What that keeps for backward (an
+    # fp32 log-softmax of B·L·V) is part of the step, so the replay passes the labels too.
+
+    _LM_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM")
+    _CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForImageClassification")
+
+    def _labels_from(self) -> str | None:
+        """What the labels of the model's own loss are: an input whose tokens they are
+        (a language model's ids, a sequence-to-sequence model's decoder ids), "classes" (one
+        class per example, for a classifier of two or more labels), or None where tfcli knows
+        no labels for the class or the user chose the inputs (--input: labels among them are
+        theirs)."""
+        if self.input_specs:
+            return None
+        try:
+            takes = inspect.signature(self.model_class.forward).parameters
+        except (TypeError, ValueError):
+            return None
+        if "labels" not in takes:
+            return None
+        name = self.model_class.__name__
+        if self.encoder_decoder and name.endswith("ForConditionalGeneration"):
+            main = [s.name for s in self._specs()]
+            return "decoder_input_ids" if "decoder_input_ids" in main else None
+        if name.endswith(self._LM_SUFFIXES) and self._main_input() == "input_ids":
+            return "input_ids"
+        if name.endswith(self._CLASSIFIER_SUFFIXES) \
+                and (getattr(self.config, "num_labels", 0) or 0) > 1:
+            return "classes"  # one label regresses (MSE on float labels): not assumed
+        return None
+
+    def step_inputs(self, model, sizes, device="meta", seed=0) -> Inputs:
+        inputs = self.make_inputs(model, sizes, device, seed)
+        source = self._labels_from()
+        main = inputs.kwargs.get(self._main_input())
+        if source == "classes" and isinstance(main, torch.Tensor):
+            inputs.kwargs["labels"] = torch.zeros(main.shape[0], dtype=torch.long,
+                                                  device=main.device)
+        elif source is not None and source in inputs.kwargs:
+            inputs.kwargs["labels"] = inputs.kwargs[source]  # the same tensor, as a loop passes it
+        return inputs
+
+    def loss_name(self) -> str:
+        source = self._labels_from()
+        if source == "classes":
+            return "the model's own loss (labels: one class per example)"
+        if source is not None:
+            return f"the model's own loss (labels = {source})"
+        if self.input_specs:
+            return super().loss_name()
+        return "mean-square loss on the output (a stand-in: no labels known for " \
+               f"{self.model_class.__name__})"
+
     def input_dims(self, name: str) -> tuple | None:
         if self.input_specs:
             return super().input_dims(name)
