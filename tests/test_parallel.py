@@ -949,6 +949,105 @@ def test_traced_fsdp_peak_of_a_two_layer_moe_model(traced_fsdp, n, b, s, precisi
     assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
+LLAMA_TINY = str(Path(__file__).resolve().parents[1] / "examples" / "llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def optimizer_steps(fake_world):
+    return fake_world["optimizer_step"]
+
+
+@script("optimizer_step")
+def _optimizer_step_script() -> str:
+    """What FSDP2 leaves rank 0 of 4 to step (its shards' shapes, on the fake process group),
+    and a real step of Adam and AdamW with foreach=True over FSDP2's DTensor parameters on a
+    one-rank gloo group: the CPU profiler's peak of ``optimizer.step()`` above what is alive
+    before it. FSDPMemTracker is no reference here: it counts each in-place foreach result
+    again (13 × the shard for Adam over 4 ranks, where the real step holds 1 ×)."""
+    return textwrap.dedent(f"""
+        import json, os, warnings
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from tfcli.inspection.memory import profile_peak_bytes
+        from tfcli.parallel.launch import free_port
+        from tfcli.parallel.units import find_units
+        from tfcli.subjects import resolve_subject
+        warnings.simplefilter("ignore")
+
+        def sharded(model):
+            for unit in find_units(model).modules:
+                fully_shard(unit)
+            fully_shard(model)
+            return [p for p in model.parameters() if p.requires_grad]
+
+        subject = resolve_subject(model="hf:{LLAMA_TINY}")
+        out = {{}}
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        out["shards"] = [list(p.to_local().shape) for p in sharded(subject.build("meta"))]
+        dist.destroy_process_group()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        for name in ("Adam", "AdamW"):
+            params = sharded(subject.build("cpu"))
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt = getattr(torch.optim, name)(params, foreach=True)
+            opt.step()  # the state
+            out[name.lower()] = profile_peak_bytes(opt.step)
+        dist.destroy_process_group()
+        print(json.dumps(out))
+        """)
+
+
+def test_the_optimizer_step_of_a_rank_is_the_profilers_and_fsdp2s_shards(optimizer_steps):
+    """The per-rank plan's optimizer step: rank 0 steps FSDP2's shards of each parameter (their
+    shapes, as fully_shard leaves them over 4 ranks), and the temporaries line of a plan over
+    one rank equals the CPU profiler's peak of a real foreach step over FSDP2's DTensor
+    parameters, for Adam and AdamW (but the C++ scalars the profiler also sees)."""
+    from tfcli.parallel.plan import stepped_shapes
+    from tfcli.parallel.traced import TracedModel
+    from tfcli.subjects import resolve_subject
+
+    traced = TracedModel(resolve_subject(model=f"hf:{LLAMA_TINY}"))
+    assert sorted(list(s) for s in stepped_shapes(traced.trainable_shapes, 4, 3)) == \
+        sorted(optimizer_steps["shards"])
+    sizes = {"B": 1, "S": 8, "T": 8, "L": 8}
+    for name in ("adam", "adamw"):
+        p = traced.plan(Parallel(dp=1, zero=3), sizes, optimizer=name, optimizer_impl="foreach")
+        lines = {line.name: line.bytes for line in p.lines}
+        assert 0 <= optimizer_steps[name] - lines["optimizer step temporaries"] <= 64, name
+
+
+def test_the_optimizer_step_is_a_moment_of_the_per_rank_plan(cli):
+    """At a small batch the foreach step can hold the most: every model-state line and its
+    temporaries, which is then the peak; the for-loop's few temporaries leave the peak in
+    backward. --optimizer-impl is refused where the plan has no such moment (tp, pp)."""
+    args = ["params", "--model", f"hf:{LLAMA_TINY}", "--parallel", "dp=2,zero=1",
+            "--seq-len", "8", "--batch-size", "1", "--json"]
+    runs = {impl: cli(*args, "--optimizer-impl", impl) for impl in ("foreach", "for-loop")}
+    # tfcli's own configurations, every ZeRO stage (zero=3 through FSDP2's order)
+    for zero in range(4):
+        runs[f"tiny/{zero}"] = cli("params", "--preset", "tiny", "--parallel",
+                                   f"dp=2,zero={zero}", "--seq-len", "8", "--batch-size", "1",
+                                   "--optimizer-impl", "foreach", "--json")
+    assert all(r.exit_code == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    plans = {impl: json.loads(r.stdout) for impl, r in runs.items()}
+    for impl, data in plans.items():
+        lines = {line["name"]: line for line in data["memory"]}
+        states = sum(line["bytes"] for line in data["memory"] if line["kind"] == "model states")
+        moments = data["peak"]["moments"]
+        assert moments["optimizer step"] == states + lines["optimizer step temporaries"]["bytes"]
+        assert ("for-loop" if impl == "for-loop" else "foreach") in \
+            lines["optimizer step temporaries"]["how"]
+    assert plans["foreach"]["peak"]["moment"] == "optimizer step"
+    assert plans["for-loop"]["peak"]["moment"] != "optimizer step"
+    refused = cli("params", "--preset", "tiny", "--parallel", "dp=2,pp=2", "--seq-len", "64",
+                  "--optimizer-impl", "foreach")
+    assert refused.exit_code == 2 and refused.stderr.startswith("tfcli: error: --optimizer-impl")
+
+
 def test_traced_units_are_the_largest_module_lists_blocks(traced_models):
     llama, user = traced_models["llama"].units, traced_models["user"].units
     assert "model.layers: 3 × LlamaDecoderLayer" in llama.how

@@ -33,6 +33,17 @@ def test_help_states_every_condition(cli, name):
             assert needs.shown in text, (rule.names, needs.shown)
 
 
+@pytest.mark.parametrize("name", ["params", "shapes", "masks", "bench"])
+def test_every_refusal_starts_with_the_option_it_refuses(name):
+    """A refusal that names {option} later, after words, would read "tfcli: error: is not
+    modelled ..." (it did, for --optimizer-impl with --parallel)."""
+    for rule in _rules(name).rules:
+        for needs in rule.needs:
+            text = needs.refusal
+            assert "{option}" not in text or text.startswith(("{option}", "--")), \
+                (rule.names, text)
+
+
 def test_help_states_the_conditions_once_however_often_it_is_shown(cli):
     for _ in range(2):
         text = " ".join(cli("params", "--help", env={"COLUMNS": "400"}).stdout.split())

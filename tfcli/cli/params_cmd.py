@@ -218,9 +218,11 @@ RULES = Rules(
     Rule("reserve", Needs(lambda v: v.device_memory is not None, "only with --device-memory",
                           "is kept back from --device-memory: add --device-memory SIZE|GPU")),
     Rule("optimizer_impl", STEP, TRAINING,
-         Needs(lambda v: v.per_rank is None, "not with --parallel",
-               "is not modelled with {v.per_rank}: the per-rank plan has no optimizer-step "
-               "moment yet; drop {option}, or drop {v.per_rank}")),
+         Needs(lambda v: v.per_rank is None or v.data_parallel_only,
+               "not with tp/pp/cp/ep",
+               "{option} with {v.parallel}: the per-rank plan has an optimizer-step moment "
+               "with data parallelism alone (dp, zero), not with tp, pp, cp or ep; drop "
+               "{option}")),
     Rule("mixed_precision", TRAINING),
     Rule("precision", TRAINING, Needs(
         lambda v: v.precision in (None, Precision.autocast) or v.dtype is DType.fp32,
@@ -263,6 +265,7 @@ RULES = Rules(
              "unsplit": lambda v: _model_split(v, ("cp",)),
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "tensor_ranks": _tensor_ranks,
+             "data_parallel_only": lambda v: _model_split(v, ("tp", "pp", "cp", "ep")) is None,
              "rank_timeline": lambda v: _rank_timeline(v),
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )
@@ -445,7 +448,8 @@ def params(
                                optimizer.value, kernel, device_memory,
                                fit_.value if fit_ else None, inference, json_out, subject,
                                lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
-                               loop.value, prec, device=device.value, tp_plan=tp_plan)
+                               loop.value, prec, device=device.value, tp_plan=tp_plan,
+                               optimizer_impl=impl)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)

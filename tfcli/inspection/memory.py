@@ -573,6 +573,29 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
     return StepReplay(live.peak, temporaries)
 
 
+@functools.lru_cache(maxsize=64)
+def optimizer_temporaries(shapes: tuple[tuple[int, ...], ...], dtype: str, optimizer: str,
+                          impl: str) -> int:
+    """The most ``optimizer.step()`` (``impl`` forced) holds above its parameters, gradients
+    and state, for parameters of ``shapes`` in ``dtype``: the optimizer alone replayed on fake
+    tensors, its second step (the first makes the state), as simulate_step measures it within
+    a whole step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        params = [nn.Parameter(torch.empty(shape, dtype=DTYPES[dtype])) for shape in shapes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = _optimizer(optimizer, params, impl)
+        opt.step()
+        state = [t for st in opt.state.values() for t in st.values() if isinstance(t, Tensor)]
+        live = _LiveStorages([*params, *(p.grad for p in params), *state])
+        del state
+        with live:
+            opt.step()
+    return live.peak
+
+
 def simulate_forward(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
                      kernel: str = "auto", on_op: Callable | None = None) -> int:
     """Peak bytes above weights and inputs of one inference forward (eval, no grad);

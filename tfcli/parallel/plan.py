@@ -120,6 +120,41 @@ def step_peak(lines: list[Line], per_layer: int, pipelined: bool,
     return Peak(moments[moment], moment, moments, how)
 
 
+def stepped_shapes(shapes, n: int, zero: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of what rank 0's optimizer steps: every parameter without ZeRO, else its
+    shard of each, the first dim-0 chunk of n (as FSDP2's fully_shard splits a parameter)."""
+    return tuple(tuple(shape) if zero == 0 or not shape else (-(-shape[0] // n), *shape[1:])
+                 for shape in shapes)
+
+
+def optimizer_step(peak: Peak, lines: list[Line], shapes, n: int, zero: int, pol: Policy,
+                   optimizer: str, impl: str) -> tuple[Line, Peak]:
+    """The optimizer's step, a moment of its own after backward: every model-state line
+    (weights, gradients, states, master copies) and what ``optimizer.step()`` holds above them,
+    its temporaries, replayed on fake tensors (tfcli.inspection.memory.optimizer_temporaries)
+    over what this rank steps: the parameters of ``shapes``, or with ZeRO (``zero`` ≥ 1) the
+    rank's shard of each (its dim-0 chunk, as FSDP2 shards; ZeRO-1/2 partitions differ in
+    shape, not in total, which is what foreach's temporaries follow). Activations, gathered
+    units and communication buffers are gone by then. Returns the temporaries' line and the
+    peak with the moment added."""
+    from tfcli.inspection.memory import _IMPL_WORDS, optimizer_temporaries
+
+    stepped = stepped_shapes(shapes, n, zero)
+    dtype = "fp32" if pol.master or pol.weights == 4 else (pol.half or "bf16")
+    temporaries = optimizer_temporaries(stepped, dtype, optimizer, impl)
+    whose = ("this rank's shard of each parameter (its dim-0 chunk of " + str(n) + ")"
+             if zero else "every parameter")
+    line = Line("optimizer step temporaries", temporaries,
+                f"{optimizer}.step(), {impl}: {_IMPL_WORDS[impl]}; over {whose} in {dtype}, "
+                f"fake-tensor replay of the optimizer alone", "working memory")
+    states = sum(x.bytes for x in lines if x.kind == "model states")
+    moments = {**peak.moments, "optimizer step": states + temporaries}
+    moment = max(moments, key=moments.__getitem__)
+    how = (peak.how + "; the optimizer's step (every model-state line and the step's "
+           "temporaries, activations and gathered units gone)")
+    return line, Peak(moments[moment], moment, moments, how)
+
+
 @dataclass
 class Plan:
     parallel: Parallel
@@ -153,11 +188,13 @@ class Plan:
 def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | None = None,
          micro_batches: int | None = None, checkpointing: str = "none", dtype: str = "fp32",
          mixed: str | None = None, optimizer_states: int = 2, precision: str = "autocast",
-         kernel: str = "auto", loop: str = "loss-only", device: str = "cpu") -> Plan:
+         kernel: str = "auto", loop: str = "loss-only", device: str = "cpu",
+         optimizer: str | None = None, optimizer_impl: str | None = None) -> Plan:
     """Per-rank memory of one training step. ``batch`` is the micro-batch per data-parallel rank
     (b), ``seq_len`` the full sequence (s; each context-parallel rank holds s/C); without them
     only model states and parameter buffers are given. ``precision`` names the policy
-    (tfcli.parallel.precision) every line follows."""
+    (tfcli.parallel.precision) every line follows. ``optimizer`` and ``optimizer_impl``
+    (data parallelism alone: no tp, pp, cp) add the optimizer's step as a moment."""
     if checkpointing not in CHECKPOINTING:
         raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: {', '.join(CHECKPOINTING)}")
     if par.ep > 1:
@@ -209,6 +246,11 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
         if par.zero == 3 and not module and par.tp == par.pp == par.cp == 1:
             peaks = [_fsdp_peak(cfg, par, batch, seq_len, checkpointing, dtype, mixed,
                                 optimizer_states, precision, kernel, loop, device)]
+        if optimizer and optimizer_impl and par.tp == par.pp == par.cp == 1:
+            line, peaks[0] = optimizer_step(peaks[0], results[0], _trainable_shapes(cfg), n,
+                                            par.zero, pol, optimizer, optimizer_impl)
+            results[0].append(line)
+            totals[0] += line.bytes
     need = [p.bytes for p in peaks] if peaks else totals
     worst = max(range(len(need)), key=need.__getitem__)
     cross = []
@@ -241,6 +283,14 @@ def _fsdp_peak(cfg: Config, par: Parallel, batch: int, seq_len: int, checkpointi
     traced = _own_traced(cfg).plan(par, sizes, checkpointing, dtype, mixed, optimizer_states,
                                    kernel, loop, precision, device)
     return traced.peak
+
+
+@functools.lru_cache(maxsize=8)
+def _trainable_shapes(cfg: Config) -> tuple[tuple[int, ...], ...]:
+    from tfcli.subjects.own import OwnSubject
+
+    model = OwnSubject(cfg).build("meta")
+    return tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
 
 
 @functools.lru_cache(maxsize=8)

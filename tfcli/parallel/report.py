@@ -17,7 +17,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              optimizer_states: int, kernel: str = "auto", device_memory: str | None = None,
              fit_what: str | None = None, reserve: str | None = None,
              loop: str = "loss-only", precision: str = "autocast",
-             device: str = "cpu") -> dict:
+             device: str = "cpu", optimizer: str | None = None,
+             optimizer_impl: str | None = None) -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
     capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
     largest batch or length that fits there and the plan there."""
@@ -29,7 +30,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
 
     def at(b: int, s: int | None):
         return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
-                    optimizer_states, precision, kernel=kernel, loop=loop, device=device)
+                    optimizer_states, precision, kernel=kernel, loop=loop, device=device,
+                    optimizer=optimizer, optimizer_impl=optimizer_impl)
 
     found = bound = None
     step = 1
@@ -244,7 +246,7 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
                     timeline=None, loop: str = "loss-only", precision: str = "autocast",
                     param_count: int | None = None, device: str = "cpu",
-                    tp_plan: str | None = None) -> None:
+                    tp_plan: str | None = None, optimizer_impl: str | None = None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
@@ -252,7 +254,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     after the plan (under "timeline" with --json). ``loop``: the training loop the activation
     replay assumes (tfcli.inspection.memory.LOOPS). ``param_count``: no model, the model
     states of that many parameters (:func:`stated_states`). ``tp_plan``: --tp-plan's text, a
-    --model's tensor-parallel plan (tfcli.parallel.tensor)."""
+    --model's tensor-parallel plan (tfcli.parallel.tensor). ``optimizer_impl``: the
+    optimizer's implementation, whose step is a moment of the plan (data parallelism alone)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
@@ -270,7 +273,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                                checkpointing or "none", dtype, mixed,
                                OPTIMIZER_STATES[optimizer], kernel,
                                str(budget.usable) if budget else None, fit_what, wrap, loop,
-                               precision, device=device, tp_plan=tp_plan)
+                               precision, device=device, tp_plan=tp_plan,
+                               optimizer=optimizer, optimizer_impl=optimizer_impl)
         if budget is not None:
             dev = data["device"]
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
@@ -279,7 +283,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,
-                        fit_what, reserve, loop, precision, device=device)
+                        fit_what, reserve, loop, precision, device=device,
+                        optimizer=optimizer, optimizer_impl=optimizer_impl)
         data["config"] = cfg.to_dict()
     if timeline is not None:
         data["timeline"] = timeline(data)

@@ -38,7 +38,8 @@ import math
 from tfcli.errors import TfcliError
 from tfcli.parallel.experts import ExpertLayout
 from tfcli.parallel.layout import Line, Parallel
-from tfcli.parallel.plan import CHECKPOINTING, Plan, deepspeed_zero3_lines, step_peak
+from tfcli.parallel.plan import (CHECKPOINTING, Plan, deepspeed_zero3_lines, optimizer_step,
+                                 step_peak)
 from tfcli.parallel.precision import Policy, check_stage, policy, state_parts
 from tfcli.parallel.units import Units, find_units, shard_numel
 
@@ -116,12 +117,15 @@ class TracedModel:
     def plan(self, par: Parallel, sizes: dict[str, int] | None, checkpointing: str = "none",
              dtype: str = "fp32", mixed: str | None = None, optimizer_states: int = 2,
              kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast",
-             device: str = "cpu", micro_batches: int | None = None) -> Plan:
+             device: str = "cpu", micro_batches: int | None = None,
+             optimizer: str | None = None, optimizer_impl: str | None = None) -> Plan:
         """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
         the activation lines, None only model states and buffers; every line follows the
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
         loop the replay assumes (tfcli.inspection.memory.LOOPS). With pp > 1, the stage that
-        needs the most, ``micro_batches`` (default pp) per step (tfcli.parallel.pipeline)."""
+        needs the most, ``micro_batches`` (default pp) per step (tfcli.parallel.pipeline).
+        ``optimizer`` and ``optimizer_impl`` (data parallelism alone) add the optimizer's
+        step as a moment (tfcli.parallel.plan.optimizer_step)."""
         self._check_splits(par)
         if par.pp > 1:
             from tfcli.parallel.pipeline import pipeline_plan
@@ -153,6 +157,10 @@ class TracedModel:
                         f"the B·L·k token slots it receives, as many as in the replay")
             lines += act
             peak = self._peak(lines, estimate, per_unit, n, zero, sb, ep)
+            if optimizer and optimizer_impl and ep == 1 and par.tp == par.cp == 1:
+                line, peak = optimizer_step(peak, lines, self.trainable_shapes, n, zero, sb,
+                                            optimizer, optimizer_impl)
+                lines.append(line)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
                       "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
@@ -519,7 +527,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
              checkpointing: str, dtype: str, mixed: str | None, optimizer_states: int,
              kernel: str, device_memory: str | None, fit_what: str | None,
              wrap: str | None, loop: str = "loss-only", precision: str = "autocast",
-             device: str = "cpu", tp_plan: str | None = None) -> dict:
+             device: str = "cpu", tp_plan: str | None = None,
+             optimizer: str | None = None, optimizer_impl: str | None = None) -> dict:
     """:func:`tfcli.parallel.report.per_rank` for any subject: the plan at (batch, seq_len) as
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size; ``tp_plan``: --tp-plan's
@@ -551,7 +560,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     def at(b: int, s: int | None) -> Plan:
         return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
                            dtype, mixed, optimizer_states, kernel, loop, precision, device,
-                           micro_batches)
+                           micro_batches, optimizer, optimizer_impl)
 
     found = bound = None
     step = 1
