@@ -59,6 +59,21 @@ def _storage_bytes_held(cache) -> int:
     return sum(storages.values())
 
 
+def cache_kw(model) -> str:
+    """The keyword a Transformers model takes its cache by: ``cache`` from 5.24 on,
+    ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
+def returned_cache(out):
+    """The cache in a Transformers output: its ``cache`` field from 5.24 on,
+    ``past_key_values`` before."""
+    return out.cache if "cache" in out.keys() else out.past_key_values
+
+
 def _real_cache(config):
     """The cache a real CPU run holds after a prefill of L − 2 tokens and two decode steps."""
     torch.manual_seed(0)
@@ -70,14 +85,14 @@ def _real_cache(config):
         out = model(input_ids=ids, decoder_input_ids=ids[:, :-2], use_cache=True) if seq2seq \
             else model(input_ids=ids[:, :-2], use_cache=True)
         for i in (L - 2, L - 1):
-            step = {"past_key_values": out.past_key_values, "use_cache": True}
+            step = {cache_kw(model): returned_cache(out), "use_cache": True}
             if seq2seq:
                 step.update(encoder_outputs=(out.encoder_last_hidden_state,),
                             decoder_input_ids=ids[:, i:i + 1])
             else:
                 step["input_ids"] = ids[:, i:i + 1]
             out = model(**step)
-    return out.past_key_values
+    return returned_cache(out)
 
 
 def _lines(cli, *args):

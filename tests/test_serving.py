@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from test_inference import CONFIGS, _storage_bytes_held
+from test_inference import CONFIGS, _storage_bytes_held, cache_kw, returned_cache
 from tfcli.parallel.fit import fit_confirmed
 
 transformers = pytest.importorskip("transformers")
@@ -29,10 +29,10 @@ def _real_peak(config, batch: int, length: int) -> tuple[int, object]:
         out = model(input_ids=ids[:, :-2], use_cache=True, logits_to_keep=1)
         for i in (length - 2, length - 1):
             tracker.reset_mod_stats()  # one forward per module, as MemTracker asks
-            out = model(input_ids=ids[:, i:i + 1], past_key_values=out.past_key_values,
-                        use_cache=True)
+            out = model(input_ids=ids[:, i:i + 1], use_cache=True,
+                        **{cache_kw(model): returned_cache(out)})
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], \
-        out.past_key_values
+        returned_cache(out)
 
 
 @pytest.fixture(scope="module")

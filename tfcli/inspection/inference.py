@@ -93,15 +93,37 @@ def _refuse(subject, why: str) -> TfcliError:
                       f"decodes tokens with a KV cache (a decoder, or an encoder-decoder)")
 
 
-def _hf_calls(subject, model, sizes: dict[str, int]):
-    """(prefill kwargs, function making the decode step's kwargs from the prefill's
-    output)."""
+def cache_argument(model) -> str | None:
+    """The name ``model.forward`` takes its KV cache by: ``past_key_values`` (Transformers up
+    to 5.23), ``cache`` (5.24 on); None for a model that keeps none."""
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
-    if "use_cache" not in accepts or "past_key_values" not in accepts:
+    if "use_cache" not in accepts:
+        return None
+    return next((name for name in ("past_key_values", "cache") if name in accepts), None)
+
+
+def cache_of(out):
+    """The KV cache a Transformers model returned (None where it returned none), under either
+    of the names ``cache_argument`` knows."""
+    for name in ("past_key_values", "cache"):
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    return None
+
+
+def _hf_calls(subject, model, sizes: dict[str, int]):
+    """(prefill kwargs, function making the decode step's kwargs from the prefill's
+    output, the name the model takes its cache by)."""
+    import inspect
+
+    accepts = set(inspect.signature(model.forward).parameters)
+    cache_name = cache_argument(model)
+    if cache_name is None:
         raise _refuse(subject, f"keeps no KV cache ({type(model).__name__}.forward takes no "
-                               f"use_cache / past_key_values)")
+                               f"use_cache with past_key_values or cache)")
     if subject.input_specs:
         raise TfcliError("--inference with --input: tfcli makes a Transformers model's decode "
                          "inputs itself (token ids); drop --input")
@@ -120,11 +142,11 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
 
     def decode(out) -> dict:
         step = {ids: torch.zeros(sizes["B"], 1, dtype=torch.long),
-                "past_key_values": out.past_key_values, "use_cache": True}
+                cache_name: cache_of(out), "use_cache": True}
         if subject.encoder_decoder:  # the encoder ran once, in the prefill
             step["encoder_outputs"] = (out.encoder_last_hidden_state,)
         return step
-    return kwargs, decode
+    return kwargs, decode, cache_name
 
 
 def decode_steps(length: int) -> int:
@@ -145,7 +167,7 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = subject.build("cpu", DTYPES[dtype] if dtype != "fp32" else None).eval()
-        prefill, decode = _hf_calls(subject, model, sizes)
+        prefill, decode, cache_name = _hf_calls(subject, model, sizes)
         existing = [*model.parameters(), *model.buffers(),
                     *Inputs((), prefill).tensors()]
         # tfcli's inputs have no padding: the masks a real batch would leave out, left out
@@ -154,10 +176,10 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
             first = _LiveStorages(existing)
             with first:
                 out = Inputs((), prefill)(model)
-            if getattr(out, "past_key_values", None) is None:
-                raise _refuse(subject, "returned no cache (past_key_values is None with "
-                                       "use_cache=True)")
-            held = storage_bytes([t for _, t in held_tensors(out.past_key_values)])
+            if cache_of(out) is None:
+                raise _refuse(subject, f"returned no cache ({cache_name} is None with "
+                                       f"use_cache=True)")
+            held = storage_bytes([t for _, t in held_tensors(cache_of(out))])
             after_prefill = sum(n for n, _ in held.values())
             # the peak as if the cache it wrote were kept at kv_dtype: the cache is alive at
             # the prefill's end, where the logits are made
@@ -170,11 +192,11 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
                 del out
                 live = _LiveStorages([*existing, *Inputs((), step).tensors(),
                                       *(t for _, t in held_tensors(step))])
-                before = _count_frees(live, step["past_key_values"])
+                before = _count_frees(live, step[cache_name])
                 with live:
                     out = Inputs((), step)(model)
                 del step
-            cache = out.past_key_values
+            cache = cache_of(out)
             del out
     return cache, live.peak, before, after_prefill, prefill_peak
 
