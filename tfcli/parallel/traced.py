@@ -394,7 +394,9 @@ class TracedModel:
         ahead = unit_gathered if n > 1 else 0
         moments = {"root's all-gather": (states + root_gathered * (2 if n > 1 else 1)
                                          + unit_gathered + ahead),
-                   "loss backward": states + root_gathered + layers + outside + start}
+                   # the last layer unit's all-gather output, from forward, is kept until
+                   # backward's first all-gather is copied out
+                   "loss backward": states + root_gathered + ahead + layers + outside + start}
         reduce = 0
         if largest:
             gathered = root_gathered + unit_gathered + ahead
@@ -431,8 +433,9 @@ class TracedModel:
                "layer units resharded after forward), in the order they come: the root's "
                "all-gather as forward starts (its all-gather output beside its gathered "
                "parameters, the first layer unit gathered and the next prefetched); the loss's "
-               "backward (model states but the gradients, the root gathered, every "
-               "activation, and the replay's working set until the units' backward); the "
+               "backward (model states but the gradients, the root gathered, the last "
+               "all-gather's output from forward, every activation, and the replay's working "
+               "set until the units' backward); the "
                "first unit's backward (the head's activations gone; the root, one unit and "
                "the next, prefetched, gathered; the root's gradients made so far, held "
                "unsharded until its own backward is over; what autograd holds beside the "
