@@ -31,15 +31,23 @@ def test_readme_has_examples():
 
 
 def _one_block_per_cell() -> None:
-    """bench as the README runs it, each cell ending after its first timed block and the
-    machine's load sampled over 10 ms instead of 250: these tests check that the examples run
-    and exit 0, not what they measure (tests/test_bench.py holds the timing rules), and the
+    """bench as the README runs it, each cell ending after its first timed block of one run and
+    the machine's load sampled over 10 ms instead of 250: these tests check that the examples
+    run and exit 0, not what they measure (tests/test_bench.py holds the timing rules), and the
     examples' timing loops would otherwise spend most of a minute of CPU."""
     import functools
 
     import tfcli.bench.sweep
     from tfcli.bench.timer import CellTimer, machine_state
 
+    warm_up = CellTimer.warm_up
+
+    def one_run_per_block(self, block_seconds: float) -> float:
+        once = warm_up(self, block_seconds)
+        self.number = 1
+        return once
+
+    CellTimer.warm_up = one_run_per_block
     CellTimer.spent = property(lambda self: float("inf"))
     CellTimer.reliable = lambda self: True
     tfcli.bench.sweep.machine_state = functools.partial(machine_state, window=0.01)
@@ -54,14 +62,24 @@ def run_examples() -> dict[str, list]:
     """Every example in this process, each in a directory of its own (examples may write
     files: --csv, --profile) that holds the repository's examples/ and tests/: example ->
     [exit code, stderr]."""
+    import gc
     import os
     import tempfile
 
-    from conftest import invoke
+    from conftest import _objects, invoke
 
     _one_block_per_cell()
-    here, out = os.getcwd(), {}
+    here, out, after_full = os.getcwd(), {}, 0
     for line in EXAMPLES:
+        # Each example runs with what earlier ones left (Transformers' modules, caches) frozen
+        # out of the garbage collector, as tests/conftest.py runs each test: bench's sweep
+        # collects after every length, which would walk all of it (~0.3 s each) in this
+        # long-lived process; a full collection when the heap has grown by half keeps what
+        # cycles leave bounded.
+        if _objects() > 1.5 * after_full:
+            gc.collect()
+            after_full = _objects()
+        gc.freeze()
         with tempfile.TemporaryDirectory(prefix="tfcli-readme-") as where:
             _as_in_the_repository(Path(where))
             os.chdir(where)
@@ -69,6 +87,7 @@ def run_examples() -> dict[str, list]:
                 result = invoke(shlex.split(line)[1:], env={"COLUMNS": "100"})
             finally:
                 os.chdir(here)
+                gc.unfreeze()
         out[line] = [result.exit_code, result.stderr]
     return out
 
