@@ -160,6 +160,27 @@ def test_a_module_named_by_import_path_says_where_too(tmp_path, monkeypatch):
             f"({tmp_path / 'exits_on_import_25.py'}:6)") in one_line(result.stderr, "params")
 
 
+def test_a_model_file_imports_its_siblings_but_shadows_nothing(tmp_path, monkeypatch):
+    """Issue 25: FILE.py's folder is on the import path so that its siblings import by name,
+    but after the standard library and installed packages: a wave.py lying beside the model
+    (a standard module torch or tfcli could import later) is not the one imported."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # tfcli appends the model's folder
+    monkeypatch.delitem(sys.modules, "wave", raising=False)
+    (tmp_path / "wave.py").write_text("raise SystemExit('planted wave imported')\n")
+    (tmp_path / "sibling_25.py").write_text("WIDTH = 4\n")
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom sibling_25 import WIDTH\n\n\n"
+        "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.proj = torch.nn.Linear(WIDTH, WIDTH)\n\n"
+        "    def forward(self, x):\n        return self.proj(x)\n")
+    result = run_here(tmp_path, monkeypatch, ["params", "--model", "m.py:M"])
+    assert result.exit_code == 0, result.stderr
+    assert "20" in result.stdout  # 4 × 4 + 4 parameters, from the sibling's WIDTH
+    import wave
+
+    assert Path(wave.__file__).parent != tmp_path
+
+
 @pytest.mark.parametrize("command", ["shapes", "masks"])
 def test_a_real_ctrl_c_in_the_forward_pass_is_still_130(tmp_path, monkeypatch, command):
     """SIGINT while the model runs is the user's Ctrl-C, not the model's doing."""

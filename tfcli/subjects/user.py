@@ -78,8 +78,11 @@ def import_object(ref: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
         folder = str(path.resolve().parent)
-        if folder not in sys.path:  # as `python FILE.py`: its siblings import by name
-            sys.path.insert(0, folder)
+        # its siblings import by name, as under `python FILE.py`, but after the standard
+        # library and installed packages: a cProfile.py or json.py lying beside the model
+        # shadows nothing that torch or tfcli imports later
+        if folder not in sys.path:
+            sys.path.append(folder)
         try:
             with model_code(f"while {module_part} was imported"):
                 spec.loader.exec_module(module)
