@@ -815,6 +815,12 @@ MIXTRAL_CASES = [(8, 2, 64, None), (4, 1, 16, "fsdp-mixed")]  # N, B, L, precisi
 # makes the peak
 LOSS_PEAK = Path(__file__).resolve().parents[1] / "examples" / "llama-tiny"
 LOSS_PEAK_CASES = [(8, 2, 128), (2, 4, 64)]  # N, B, L
+# A user's encoder-decoder (examples/tutorial_transformer.py): the units are one stack's layers,
+# the other stack is in the root and runs before the first unit
+TUTORIAL_FILE = Path(__file__).resolve().parents[1] / "examples" / "tutorial_transformer.py"
+TUTORIAL = ["--model", f"{TUTORIAL_FILE}:build", "--input", "src=int64[B,S]", "--input",
+            "tgt=int64[B,T]"]
+TUTORIAL_CASES = [(8, 1, 32), (2, 2, 16)]  # N, B, L
 
 
 def _heavy_files(where) -> dict[str, list[str]]:
@@ -826,8 +832,7 @@ def _heavy_files(where) -> dict[str, list[str]]:
 def _subject(args: list[str]):
     from tfcli.subjects import resolve_subject
 
-    inputs = [args[3]] if len(args) > 2 else None
-    return resolve_subject(model=args[1], inputs=inputs)
+    return resolve_subject(model=args[1], inputs=args[3::2] or None)  # every --input
 
 
 # the models' --model arguments, once the traced script has written them
@@ -879,6 +884,10 @@ def _traced_script() -> str:
         subject = resolve_subject(model="hf:{LOSS_PEAK}")
         for n, b, s in {LOSS_PEAK_CASES!r}:
             out[f"loss-peak/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
+                subject, n, {{"B": b, "S": s, "T": s, "L": s}})
+        subject = resolve_subject(model={TUTORIAL[1]!r}, inputs={TUTORIAL[3::2]!r})
+        for n, b, s in {TUTORIAL_CASES!r}:
+            out[f"tutorial/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
                 subject, n, {{"B": b, "S": s, "T": s, "L": s}})
         print(json.dumps(out))
         """)
@@ -969,6 +978,20 @@ def test_traced_fsdp_peak_in_the_loss_backward(traced_fsdp, n, b, s):
     p = TracedModel(_subject(["--model", f"hf:{LOSS_PEAK}"])).plan(
         Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s})
     assert p.peak.moment == "loss backward", p.peak.moments
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
+
+
+@pytest.mark.parametrize("n,b,s", TUTORIAL_CASES)
+def test_traced_fsdp_peak_of_a_user_encoder_decoder(traced_fsdp, n, b, s):
+    """A user's encoder-decoder whose units are the decoder's layers: the encoder runs in the
+    root before the first unit is gathered, and what it saved is alive as the root's
+    all-gather peaks. The peak within 1 % of FSDPMemTracker's (4.1 % under it at N = 8
+    before the encoder's activations were counted there)."""
+    from tfcli.parallel.traced import TracedModel
+
+    measured = traced_fsdp["measured"][f"tutorial/{n}/{b}x{s}"]
+    p = TracedModel(_subject(TUTORIAL)).plan(Parallel(dp=n, zero=3),
+                                             {"B": b, "S": s, "T": s, "L": s})
     assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 

@@ -392,8 +392,11 @@ class TracedModel:
         # FSDP2 keeps an all-gather's output until the next one is copied out
         unit_gathered = largest.numel * sb.gathered if largest else 0
         ahead = unit_gathered if n > 1 else 0
+        # what the root's modules saved before the first layer unit runs: the embeddings',
+        # or a whole encoder where the units are the decoder's layers
+        before = sum(estimate.before_units.values())
         moments = {"root's all-gather": (states + root_gathered * (2 if n > 1 else 1)
-                                         + unit_gathered + ahead),
+                                         + unit_gathered + ahead + before),
                    # the last layer unit's all-gather output, from forward, is kept until
                    # backward's first all-gather is copied out
                    "loss backward": states + root_gathered + ahead + layers + outside + start}
@@ -432,7 +435,8 @@ class TracedModel:
                "FSDP2's default resharding (the root gathered from forward to backward, the "
                "layer units resharded after forward), in the order they come: the root's "
                "all-gather as forward starts (its all-gather output beside its gathered "
-               "parameters, the first layer unit gathered and the next prefetched); the loss's "
+               "parameters, the first layer unit gathered and the next prefetched, and what "
+               "the root's modules saved before it: embeddings, an encoder); the loss's "
                "backward (model states but the gradients, the root gathered, the last "
                "all-gather's output from forward, every activation, and the replay's working "
                "set until the units' backward); the "
