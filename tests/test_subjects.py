@@ -1024,6 +1024,8 @@ def fake_hub(hub_cache, monkeypatch):
     from huggingface_hub.utils import _http  # its HTTP client module (httpx or a fork)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", file_download.hf_hub_download)
+    # the fake answers in place of the network
+    monkeypatch.setattr("tfcli.subjects.hf_source._hub_host", lambda hub: None)
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -1080,6 +1082,27 @@ def test_an_hf_id_the_hub_refuses_is_one_line(cli, fake_hub, model, words):
     assert words in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
+def test_a_hub_whose_name_does_not_resolve_is_said_at_once(cli, hub_cache, monkeypatch):
+    """Issue 25: with no network huggingface_hub retried five times over ~20 s, logging each
+    retry (12 lines on stderr). The Hub's name is looked up once first; when it does not
+    resolve, one line says so and nothing is downloaded."""
+    import socket
+
+    import huggingface_hub
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: pytest.fail("the download was tried"))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    result = cli("params", "--model", "hf:acme/absent")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "the Hub could not be reached (huggingface.co does not resolve)" in result.stderr
+
+
 @pytest.mark.parametrize("hub_offline,transformers_offline,online,words", [
     (None, None, True, "and the Hub could not be reached; check the connection and the id"),
     ("0", "1", True, "and the Hub could not be reached"),  # the first one given decides
@@ -1100,6 +1123,7 @@ def test_the_users_environment_decides_whether_the_hub_is_asked(
         raise LocalEntryNotFoundError("An error happened while trying to locate the file")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    monkeypatch.setattr("tfcli.subjects.hf_source._hub_host", lambda hub: None)  # resolves
     for name, value in (("HF_HUB_OFFLINE", hub_offline),
                         ("TRANSFORMERS_OFFLINE", transformers_offline)):
         if value is None:

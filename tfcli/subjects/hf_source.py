@@ -137,6 +137,18 @@ def _download(hub, text: str, repo_id: str, revision: str | None, cache: str) ->
 
     at = f" at {revision}" if revision else ""
     login = "log in with `hf auth login` (or set HF_TOKEN)"
+    unreachable = (f"no such path, {repo_id} is not in the local Hugging Face cache {cache}, "
+                   f"and the Hub could not be reached")
+    host = _hub_host(hub)
+    if host is not None:
+        raise TfcliError(f"--model hf:{text}: {unreachable} ({host} does not resolve); check "
+                         f"the connection and the id, or give a config.json path")
+    import logging
+
+    # huggingface_hub logs each retry of a failed request ("Retrying in 1s [Retry 1/5]"): the
+    # failure is said once, below
+    hub_log = logging.getLogger("huggingface_hub")
+    level, hub_log.level = hub_log.level, logging.ERROR
     try:
         return hub.hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache)
     except GatedRepoError:
@@ -149,9 +161,7 @@ def _download(hub, text: str, repo_id: str, revision: str | None, cache: str) ->
         message = (f"{repo_id} has no revision {revision!r} on the Hugging Face Hub; give a "
                    f"branch, tag or commit hash of it")
     except LocalEntryNotFoundError:  # the Hub could not be reached (before EntryNotFoundError)
-        message = (f"no such path, {repo_id} is not in the local Hugging Face cache {cache}, "
-                   f"and the Hub could not be reached; check the connection and the id, "
-                   f"or give a config.json path")
+        message = f"{unreachable}; check the connection and the id, or give a config.json path"
     except EntryNotFoundError:
         message = (f"{repo_id} has no config.json{at} on the Hugging Face Hub, so it is not a "
                    f"Transformers model; give a config.json path")
@@ -161,4 +171,24 @@ def _download(hub, text: str, repo_id: str, revision: str | None, cache: str) ->
                    + (login if status in (401, 403) else "try again later"))
     except Exception as error:  # a proxy, a full disk, a read-only cache
         message = f"fetching config.json of {repo_id}{at} failed: {error_text(error)}"
+    finally:
+        hub_log.setLevel(level)
     raise TfcliError(f"--model hf:{text}: {message}")
+
+
+def _hub_host(hub) -> str | None:
+    """The Hub's host name when it does not resolve (no network, no DNS), else None: asked
+    once here, where huggingface_hub would try five times over about 20 s."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(hub.constants.ENDPOINT).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return host
+    except OSError:
+        return None
+    return None
