@@ -181,6 +181,27 @@ def test_a_model_file_imports_its_siblings_but_shadows_nothing(tmp_path, monkeyp
     assert Path(wave.__file__).parent != tmp_path
 
 
+def test_profile_traces_go_where_the_user_asked_when_the_model_changes_directory(
+        tmp_path, monkeypatch):
+    """Issue 25: a model that changes directory in its forward pass moved bench --profile's
+    traces into its own directory (the profiler's steps run the model; tfcli changes the
+    directory back only after the calls it wraps). Every output path is absolute before the
+    model runs."""
+    (tmp_path / "away").mkdir()
+    (tmp_path / "m.py").write_text(
+        "import os, torch\nAWAY = os.path.abspath('away')\n\n\n"
+        "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.p = torch.nn.Linear(4, 4)\n\n"
+        "    def forward(self, x):\n        os.chdir(AWAY)\n        return self.p(x)\n")
+    result = run_here(tmp_path, monkeypatch, [
+        "bench", "--what", "model", "--model", "m.py:M", "--input", "x=float32[B,L,4]",
+        "--seq-lens", "4", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.02",
+        "--profile", "traces"])
+    assert result.exit_code == 0, result.stderr
+    assert [p.suffix for p in (tmp_path / "traces").iterdir()] == [".json"]
+    assert list((tmp_path / "away").iterdir()) == []
+
+
 @pytest.mark.parametrize("command", ["shapes", "masks"])
 def test_a_real_ctrl_c_in_the_forward_pass_is_still_130(tmp_path, monkeypatch, command):
     """SIGINT while the model runs is the user's Ctrl-C, not the model's doing."""

@@ -382,7 +382,11 @@ def _add_fit_columns(csv_out: AtomicFile, fitted) -> None:
 def _profiler(directory: Path):
     """A callback writing a short torch.profiler trace of each measured cell, whole or not at
     all (:func:`_write_trace`). A trace that could not be written ends the sweep (exit 1).
-    ``after_cell.traces`` counts the traces written."""
+    ``after_cell.traces`` counts the traces written. The directory is made absolute here,
+    before any cell runs: a model that changes directory while it runs (tfcli changes it back
+    after each call it makes, not inside the profiler's steps) would move the traces."""
+    shown, directory = directory, Path(os.path.abspath(directory))
+
     def after_cell(record, prepared) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -391,7 +395,7 @@ def _profiler(directory: Path):
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise _WriteFailed(f"--profile {str(directory)!r}: {error.strerror}") from None
+            raise _WriteFailed(f"--profile {str(shown)!r}: {error.strerror}") from None
         activities = [ProfilerActivity.CPU]
         if record.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
@@ -417,11 +421,11 @@ def _profiler(directory: Path):
                     prepared.run()
                     prof.step()
         except (OSError, RuntimeError) as error:  # the profiler itself failed
-            raise _WriteFailed(f"--profile {str(directory)!r}: {error}") from None
+            raise _WriteFailed(f"--profile {str(shown)!r}: {error}") from None
         if failed and not isinstance(failed[0], OSError):
             raise failed[0]
         if failed:
-            raise _WriteFailed(f"--profile {str(directory)!r}: "
+            raise _WriteFailed(f"--profile {str(shown)!r}: "
                                f"{failed[0].strerror or failed[0]}") from None
 
     after_cell.traces = 0
