@@ -463,6 +463,10 @@ TORCH_CASES: list[Case] = [
              LOCAL_RANK="abc"),
     torchrun("master-addr-empty", "MASTER_ADDR: not set or empty, but RANK or WORLD_SIZE is "
              "set", MASTER_ADDR=""),
+    # torch's store retried the lookup of a name that never resolves until its timeout
+    torchrun("master-addr-does-not-resolve", "MASTER_ADDR='no-such-host.invalid' in the "
+             "environment (torchrun's): the host name does not resolve",
+             MASTER_ADDR="no-such-host.invalid"),
     # checked before --nproc starts any rank (which took seconds to fail, exit 1)
     Case("bench-nproc-seq-len-beyond-max-seq-len", ["bench", "--what", "model", "-p", "tiny",
                                                     "--nproc", "2", "--batch-size", "2",

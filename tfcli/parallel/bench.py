@@ -303,7 +303,22 @@ def torchrun_world() -> int | None:
     if env.get("LOCAL_RANK") is not None:
         _env_int("LOCAL_RANK", 0, world - 1, "this rank's number on its machine")
     _env_int("MASTER_PORT", 1, 65535, "the rendezvous port")
+    _resolves(env["MASTER_ADDR"].strip())
     return world
+
+
+def _resolves(host: str) -> None:
+    """One line when MASTER_ADDR names a host that does not resolve: torch's store would retry
+    the lookup until its rendezvous timeout, in native code."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        why = getattr(error, "strerror", None) or str(error)
+        raise TfcliError(f"MASTER_ADDR={host[:60]!r} in the environment (torchrun's): the host "
+                         f"name does not resolve ({why}); give the address of rank 0's "
+                         f"machine (127.0.0.1 on this one)") from None
 
 
 def _env_int(name: str, low: int, high: int, what: str) -> int:
