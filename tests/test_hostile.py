@@ -887,7 +887,8 @@ def test_profile_trace_not_written_whole_is_a_failed_run(cli, tmp_path, monkeypa
     said "wrote profiler traces" and exited 0, leaving empty files. Here the export fails as
     Kineto's does on a full disk (or past a file-size limit): it stops part-way through its
     temporary file (the name plus ".tmp") and never renames it. One line, exit 1, no file left
-    in the trace directory."""
+    in the trace directory; a directory the run made is removed with it, one that was there
+    is kept."""
     from torch.profiler import profile
 
     def export_part(self, path, *args, **kwargs):
@@ -903,7 +904,12 @@ def test_profile_trace_not_written_whole_is_a_failed_run(cli, tmp_path, monkeypa
         f"tfcli: error: --profile {str(traces)!r}: the trace was not written whole (is the disk "
         f"full?); the sweep stopped there (the table holds what was measured)")
     assert "wrote profiler traces" not in result.stdout
-    assert list(traces.iterdir()) == []
+    assert not traces.exists()  # the run made it
+    traces.mkdir()
+    again = cli("bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels",
+                "sdpa", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.02",
+                "--profile", str(traces))
+    assert again.exit_code == 1 and list(traces.iterdir()) == [], again.stderr
 
 
 # Signals while a --profile trace is exported: the export as Kineto's would be caught part-way

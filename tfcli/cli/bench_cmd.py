@@ -386,8 +386,20 @@ def _profiler(directory: Path):
     before any cell runs: a model that changes directory while it runs (tfcli changes it back
     after each call it makes, not inside the profiler's steps) would move the traces."""
     shown, directory = directory, Path(os.path.abspath(directory))
+    made = not directory.exists()  # made by this run: removed again if it stays empty
 
     def after_cell(record, prepared) -> None:
+        try:
+            _profile_cell(record, prepared)
+        except BaseException:
+            if made and not after_cell.traces:
+                try:
+                    directory.rmdir()  # only if empty: nothing written is left behind
+                except OSError:
+                    pass
+            raise
+
+    def _profile_cell(record, prepared) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
         from tfcli.inspection.memory import quiet_native_stderr
