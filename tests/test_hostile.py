@@ -951,8 +951,9 @@ def _profile_signalled() -> dict:
                                   120, cwd=name, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env={**background.session_env(), "COLUMNS": "100"})
+            # everything left where it ran: the traces directory the run made goes too
             out[signals] = (done.returncode, done.stdout, done.stderr,
-                            sorted(p.name for p in Path(name, "traces").iterdir()))
+                            sorted(str(p.relative_to(name)) for p in Path(name).rglob("*")))
     return out
 
 

@@ -386,7 +386,11 @@ def _profiler(directory: Path):
     before any cell runs: a model that changes directory while it runs (tfcli changes it back
     after each call it makes, not inside the profiler's steps) would move the traces."""
     shown, directory = directory, Path(os.path.abspath(directory))
+    from tfcli.cli.outputs import made_directory
+
     made = not directory.exists()  # made by this run: removed again if it stays empty
+    if made:
+        made_directory(directory)  # and by a second signal, which ends the run at once
 
     def after_cell(record, prepared) -> None:
         try:
@@ -398,6 +402,8 @@ def _profiler(directory: Path):
                 except OSError:
                     pass
             raise
+        if after_cell.traces:
+            made_directory(directory, False)
 
     def _profile_cell(record, prepared) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule

@@ -98,6 +98,8 @@ def check_outputs(*outputs: Output) -> None:
 # Temporary files not yet renamed into place or removed: a run ended at once (a second Ctrl-C)
 # removes them, so it leaves no stray ".name.XXXX.tmp" beside the outputs.
 _PENDING: set[Path] = set()
+# Directories the run made for outputs not yet written (--profile's): removed too, if empty
+_MADE: set[Path] = set()
 
 
 def remove_pending() -> None:
@@ -107,6 +109,21 @@ def remove_pending() -> None:
         except OSError:
             pass
     _PENDING.clear()
+    for directory in list(_MADE):
+        try:
+            directory.rmdir()  # only an empty one
+        except OSError:
+            pass
+    _MADE.clear()
+
+
+def made_directory(directory: Path, pending: bool = True) -> None:
+    """``directory`` was made by this run and holds nothing written yet (or, ``pending``
+    False, now holds an output): a run ended at once removes it if it is still empty."""
+    if pending:
+        _MADE.add(directory)
+    else:
+        _MADE.discard(directory)
 
 
 def _pending(temp: Path, pending: bool = True) -> None:
