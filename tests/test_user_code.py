@@ -181,6 +181,27 @@ def test_a_model_file_imports_its_siblings_but_shadows_nothing(tmp_path, monkeyp
     assert Path(wave.__file__).parent != tmp_path
 
 
+def test_a_module_beside_the_model_is_found_for_the_models_code_alone(tmp_path, monkeypatch):
+    """Issue 25: a module that is not installed (torch probes for triton) lying beside the
+    model was imported when torch or tfcli asked for it on their own account. The model's
+    folder serves the model's own code only: its imports at load time and in forward, not
+    anyone else's."""
+    (tmp_path / "not_installed_25.py").write_text("VALUE = 25\n")
+    (tmp_path / "m.py").write_text(
+        "import torch\n\n\n"
+        "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.proj = torch.nn.Linear(4, 4)\n\n"
+        "    def forward(self, x):\n        from not_installed_25 import VALUE\n"
+        "        return self.proj(x) * VALUE\n")
+    monkeypatch.delitem(sys.modules, "not_installed_25", raising=False)
+    result = run_here(tmp_path, monkeypatch, ["shapes", "--model", "m.py:M", "--input",
+                                              "x=float32[B,4]"])
+    assert result.exit_code == 0, result.stderr  # the model's forward found it
+    sys.modules.pop("not_installed_25", None)
+    with pytest.raises(ModuleNotFoundError):  # this file is not the model's
+        import not_installed_25  # noqa: F401
+
+
 def test_profile_traces_go_where_the_user_asked_when_the_model_changes_directory(
         tmp_path, monkeypatch):
     """Issue 25: a model that changes directory in its forward pass moved bench --profile's

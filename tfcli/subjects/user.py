@@ -60,6 +60,52 @@ def _where(error: BaseException, near: str | None = None) -> str:
     return f" ({frames[-1].filename}:{frames[-1].lineno})"
 
 
+class _Siblings:
+    """Modules lying in the model's folder, found for the model's own code only: the module
+    ``--model`` names, and any import made while a frame of a file in that folder is running
+    (the model's module importing its neighbours, its build function unpickling a class of
+    theirs). Asked last, after the standard library and installed packages, as `python FILE.py`
+    would find them, but never for tfcli or torch importing on their own account: a json.py
+    shadows nothing, and a triton.py lying beside the model is not what torch's probe for the
+    triton package finds. (On ``sys.path`` the folder served every import in the process.)"""
+
+    _installed: dict[str, "_Siblings"] = {}
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.prefix = folder, folder.rstrip(os.sep) + os.sep
+        self.named: set[str] = set()
+        self.files: set[str] = set()
+
+    @classmethod
+    def serve(cls, folder: str, named: set[str] = frozenset(),
+              files: set[str] = frozenset()) -> None:
+        finder = cls._installed.get(folder)
+        if finder is None or finder not in sys.meta_path:
+            finder = cls._installed[folder] = cls(folder)
+            sys.meta_path.append(finder)
+        finder.named |= set(named)
+        finder.files |= set(files)
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if path is not None:  # a submodule: found through its package's __path__
+            return None
+        if fullname not in self.named and not self._from_model():
+            return None
+        from importlib.machinery import PathFinder
+
+        return PathFinder.find_spec(fullname, [self.folder])
+
+    def _from_model(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name in self.files or (not name.startswith("<") and
+                                      os.path.abspath(name).startswith(self.prefix)):
+                return True
+            frame = frame.f_back
+        return False
+
+
 def import_object(ref: str):
     """Resolve ``file.py:NAME`` or ``package.module:NAME`` (NAME may be dotted)."""
     module_part, sep, attr = ref.rpartition(":")
@@ -77,12 +123,7 @@ def import_object(ref: str):
             raise TfcliError(f"--model {ref!r}: {module_part!r} cannot be imported as Python")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
-        folder = str(path.resolve().parent)
-        # its siblings import by name, as under `python FILE.py`, but after the standard
-        # library and installed packages: a cProfile.py or json.py lying beside the model
-        # shadows nothing that torch or tfcli imports later
-        if folder not in sys.path:
-            sys.path.append(folder)
+        _Siblings.serve(str(path.resolve().parent), files={str(path)})
         try:
             with model_code(f"while {module_part} was imported"):
                 spec.loader.exec_module(module)
@@ -94,8 +135,9 @@ def import_object(ref: str):
             sys.modules.pop(name, None)
             raise _ended(ref, f"while {module_part} was imported", error, str(path)) from None
     else:
-        if os.getcwd() not in sys.path:  # as `python -m`, but after installed packages, so
-            sys.path.append(os.getcwd())  # a json.py lying here shadows nothing
+        # as `python -m`, the named package from the current directory (where it is not
+        # installed), and its neighbours there for the model's own code
+        _Siblings.serve(os.getcwd(), named={module_part.split(".")[0]})
         try:
             with model_code(f"while {module_part} was imported"):
                 module = importlib.import_module(module_part)
