@@ -372,6 +372,10 @@ def _process(case, where: Path) -> tuple[int, str] | None:
     60 s (then it is killed)."""
     action, stage, command, _ = case
     (where / "m.py").write_text(model_file(action, stage))
+    # issue 25: torch probes for packages it may use (triton, on a CPU build absent); one lying
+    # beside the model is not what tfcli's or torch's own imports find
+    (where / "triton.py").write_text("open(__file__ + '.ran', 'w').close()\n"
+                                     "raise ImportError('planted')\n")
 
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
@@ -388,7 +392,8 @@ def _process(case, where: Path) -> tuple[int, str] | None:
         proc.kill()
         proc.communicate()
         return None
-    return proc.returncode, err
+    return proc.returncode, err + ("planted triton.py imported\n"
+                                   if (where / "triton.py.ran").exists() else "")
 
 
 @pytest.fixture(scope="module")

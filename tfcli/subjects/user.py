@@ -67,7 +67,8 @@ class _Siblings:
     theirs). Asked last, after the standard library and installed packages, as `python FILE.py`
     would find them, but never for tfcli or torch importing on their own account: a json.py
     shadows nothing, and a triton.py lying beside the model is not what torch's probe for the
-    triton package finds. (On ``sys.path`` the folder served every import in the process.)"""
+    triton package finds, even while the model's forward runs under tfcli's dispatch modes.
+    (On ``sys.path`` the folder served every import in the process.)"""
 
     _installed: dict[str, "_Siblings"] = {}
 
@@ -96,12 +97,17 @@ class _Siblings:
         return PathFinder.find_spec(fullname, [self.folder])
 
     def _from_model(self) -> bool:
+        """Whether the model's code asked: going out from the import, a frame of the model's
+        folder comes before any of tfcli's (torch importing within tfcli's dispatch modes or
+        hooks, while the model's forward runs further out, is on tfcli's account)."""
         frame = sys._getframe(2)
         while frame is not None:
             name = frame.f_code.co_filename
-            if name in self.files or (not name.startswith("<") and
-                                      os.path.abspath(name).startswith(self.prefix)):
-                return True
+            if not name.startswith("<"):
+                if name in self.files or os.path.abspath(name).startswith(self.prefix):
+                    return True
+                if name.startswith(_TFCLI):
+                    return False
             frame = frame.f_back
         return False
 
