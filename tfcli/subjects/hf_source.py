@@ -187,8 +187,6 @@ def _hub_host(hub) -> str | None:
         return None
     try:
         socket.getaddrinfo(host, 443, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
+    except (OSError, UnicodeError):  # gaierror, or a lookup refused some other way
         return host
-    except OSError:
-        return None
     return None
