@@ -152,7 +152,6 @@ def test_a_module_named_by_import_path_says_where_too(tmp_path, monkeypatch):
     """--model package.module:NAME: the line points at the model's own line, not at the
     stand-in for os._exit that raised for it."""
     monkeypatch.setattr(os, "_exit", lambda code: pytest.fail("os._exit reached"))
-    monkeypatch.setattr(sys, "path", list(sys.path))  # tfcli appends the working directory
     (tmp_path / "exits_on_import_25.py").write_text(model_file("os-exit", "import"))
     result = run_here(tmp_path, monkeypatch, arguments("params", "exits_on_import_25:M"))
     assert result.exit_code == 1, (result.exit_code, result.stderr, result.exception)
@@ -164,7 +163,6 @@ def test_a_model_file_imports_its_siblings_but_shadows_nothing(tmp_path, monkeyp
     """Issue 25: FILE.py's folder is on the import path so that its siblings import by name,
     but after the standard library and installed packages: a wave.py lying beside the model
     (a standard module torch or tfcli could import later) is not the one imported."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # tfcli appends the model's folder
     monkeypatch.delitem(sys.modules, "wave", raising=False)
     (tmp_path / "wave.py").write_text("raise SystemExit('planted wave imported')\n")
     (tmp_path / "sibling_25.py").write_text("WIDTH = 4\n")

@@ -62,8 +62,9 @@ def _where(error: BaseException, near: str | None = None) -> str:
 
 class _Siblings:
     """Modules lying in the model's folder, found for the model's own code only: the module
-    ``--model`` names, and any import made while a frame of a file in that folder is running
-    (the model's module importing its neighbours, its build function unpickling a class of
+    ``--model`` names, and an import the model's code makes (going out from the import, a frame
+    of a file in that folder comes before any of tfcli's: the model's module importing its
+    neighbours, its forward importing one late, its build function unpickling a class of
     theirs). Asked last, after the standard library and installed packages, as `python FILE.py`
     would find them, but never for tfcli or torch importing on their own account: a json.py
     shadows nothing, and a triton.py lying beside the model is not what torch's probe for the
