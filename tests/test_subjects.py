@@ -778,6 +778,29 @@ def test_user_forward_failing_prints_the_partial_trace(cli, tmp_path):
     data = cli("shapes", "--model", f"{write(tmp_path, text)}:M", "--input", "x=float32[B,4]",
                "--json")
     assert data.exit_code == 1 and json.loads(data.stdout)["events"][1]["path"] == "a"
+    # the exit's one line comes with --json too (issue 25: stderr was empty)
+    assert data.stderr.count("\n") == 1 and "tfcli: forward pass failed in b" in data.stderr
+
+
+def test_a_partial_trace_too_large_for_memory_is_left_out_of_the_json(cli, tmp_path,
+                                                                      monkeypatch):
+    """Issue 25: a forward that fails after 200,000 module calls printed every call as JSON,
+    unguarded, where the whole trace is refused beyond what memory holds. The partial trace is
+    guarded as the whole one: left out, said in the JSON and in the one line."""
+    import tfcli.cli.shapes_cmd as shapes_cmd
+
+    monkeypatch.setattr(shapes_cmd, "JSON_BYTES_PER_CALL", 2**60)  # any call is too many
+    text = ("import torch\nclass M(torch.nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n"
+            "        self.a = torch.nn.Linear(4, 4)\n        self.b = torch.nn.Linear(5, 4)\n"
+            "    def forward(self, x):\n        return self.b(self.a(x))\n")
+    result = cli("shapes", "--model", f"{write(tmp_path, text)}:M", "--input", "x=float32[B,4]",
+                 "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["events"] is None and data["events_left_out"].startswith("3 module calls: the JSON needs")
+    assert result.stderr.count("\n") == 1
+    assert "the partial trace (3 module calls) is left out of the JSON" in result.stderr
 
 
 def test_missing_forward_argument_shows_the_signature(cli):

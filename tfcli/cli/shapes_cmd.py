@@ -14,7 +14,7 @@ from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOp
 from tfcli.cli.process import print_json, stdout
 from tfcli.cli.rules import Needs, Rule, Rules, own_model
 from tfcli.errors import TfcliError
-from tfcli.guard import guard_run, require
+from tfcli.guard import guard_run, require, shortfall
 
 
 class Device(str, Enum):
@@ -169,14 +169,23 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         if may_fall_back:
             raise NotAbstract(error_text(failure.error, 160)) from None
         names = {**used, **subject.model_dims(model)}
+        hint = ("; it may need real values: try --device cpu"
+                if device_name == "meta" and "meta" in str(failure.error) else "")
         if json_out:
-            print_json({"error": str(failure), "events": [e.to_dict() for e in failure.events]})
+            # the partial trace as the whole one is guarded: every call, then the JSON text
+            calls = len(failure.events)
+            short = shortfall(JSON_BYTES_PER_CALL * calls, "cpu")
+            print_json({"error": str(failure),
+                        "events": None if short else [e.to_dict() for e in failure.events],
+                        "events_left_out": f"{calls:,} module calls: the JSON {short}"
+                        if short else None})
+            if short:
+                hint += (f"; the partial trace ({calls:,} module calls) is left out of the "
+                         f"JSON: it {short}")
         else:
             stdout().print(build_tree(failure.events, names, depth, True, False,
                                       "partial trace (the forward pass failed)"))
-            hint = ("; it may need real values: try --device cpu"
-                    if device_name == "meta" and "meta" in str(failure.error) else "")
-            typer.echo(f"tfcli: {failure}{hint}", err=True)
+        typer.echo(f"tfcli: {failure}{hint}", err=True)  # the exit's one line, JSON or not
         raise typer.Exit(1) from None
     names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
     experts = moe.find_experts(model, subject.experts_per_token())
