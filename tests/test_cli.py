@@ -94,6 +94,31 @@ def test_a_bug_is_one_line_exit_70_and_a_traceback_on_request(cli, monkeypatch):
     assert isinstance(again.exception, ZeroDivisionError)
 
 
+def test_an_allocation_failing_without_memoryerror_under_ulimit_v_is_out_of_memory(
+        cli, monkeypatch):
+    """Issue 25: under `ulimit -v 700000` a run failed in CPython's compile, which returned
+    NULL without an exception: SystemError, an internal error (exit 70). Under an address-space
+    limit that is memory running out (exit 1, one line); without one it stays a bug."""
+    import resource
+
+    import tfcli.cli.config_cmd as config_cmd
+
+    def no_memory(*args, **kwargs):
+        raise SystemError("<built-in function compile> returned NULL without setting an "
+                          "exception")
+
+    monkeypatch.setattr(config_cmd, "resolve_config", no_memory)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (700 * 10**6, 700 * 10**6))
+    result = cli("config")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("tfcli: error: out of memory: the run needed more than the "
+                                    "machine could give (the address-space limit, ulimit -v, "
+                                    "was reached: SystemError)")
+    monkeypatch.setattr(resource, "getrlimit",
+                        lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert cli("config").exit_code == 70
+
+
 def test_ctrl_c_in_any_command_is_one_line_and_130(cli, monkeypatch):
     import tfcli.cli.config_cmd as config_cmd
 

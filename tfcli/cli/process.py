@@ -197,7 +197,11 @@ class TfcliGroup(TyperGroup):
             code = fail("out of memory: the run needed more than the machine could give; use "
                         "smaller sizes or a lower --max-memory", 1)
         except Exception as err:  # a bug: one line, not a traceback, unless asked for
-            if isinstance(err, RuntimeError) and str(err).startswith(_OVERFLOW):
+            if _memory_ran_out(err):
+                code = fail("out of memory: the run needed more than the machine could give "
+                            "(the address-space limit, ulimit -v, was reached: "
+                            f"{type(err).__name__}); use smaller sizes or raise the limit", 1)
+            elif isinstance(err, RuntimeError) and str(err).startswith(_OVERFLOW):
                 # torch refusing a shape: the sizes asked for are the cause (bad input),
                 # whichever tensor met them first
                 code = fail(f"the sizes asked for make a tensor larger than torch can hold "
@@ -215,6 +219,18 @@ class TfcliGroup(TyperGroup):
             fail("terminated (SIGTERM)" if code == TERMINATED else "interrupted (Ctrl-C)", code,
                  kind="")
         return code
+
+
+def _memory_ran_out(err: Exception) -> bool:
+    """An allocation that failed without a MemoryError, under an address-space limit: CPython's
+    C functions (``compile``) then return NULL with no exception set, which Python reports as
+    SystemError (seen under ulimit -v 700 MB, where the same run elsewhere gave MemoryError)."""
+    import resource
+
+    if not (isinstance(err, SystemError) and "returned NULL without setting" in str(err)):
+        return False
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft != resource.RLIM_INFINITY
 
 
 def _leave_threads_behind(code: int) -> None:
