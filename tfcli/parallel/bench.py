@@ -314,7 +314,7 @@ def _resolves(host: str) -> None:
 
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as error:
+    except (OSError, UnicodeError) as error:  # gaierror, or a lookup refused another way
         why = getattr(error, "strerror", None) or str(error)
         raise TfcliError(f"MASTER_ADDR={host[:60]!r} in the environment (torchrun's): the host "
                          f"name does not resolve ({why}); give the address of rank 0's "
