@@ -879,6 +879,37 @@ def test_rank_waits_for_peers_a_bounded_time(cli, monkeypatch, env, message):
         and result.stderr.count("\n") == 1, result.stderr
 
 
+def _listeners(port: int) -> list[str]:
+    """The local addresses listening on TCP ``port`` (/proc/net/tcp and tcp6, hex as the
+    kernel writes them: 0100007F is 127.0.0.1, 00000000 every interface)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    out.append(address)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_rank_0s_store_listens_at_master_addr_alone(monkeypatch):
+    """Issue 25: under torchrun's variables (no agent), rank 0 hosts the rendezvous store, and
+    torch's TCPStore listened on every interface whatever MASTER_ADDR said. It listens at
+    MASTER_ADDR (here 127.0.0.1) alone."""
+    import tfcli.parallel.bench as ranks
+
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = ranks._rendezvous(0, 1, 10.0)
+    assert _listeners(port) == ["0100007F"]
+    del store  # the store closes the socket it was given
+    assert _listeners(port) == []
+
+
 # --- outputs that fail as they are written -----------------------------------------------------
 
 

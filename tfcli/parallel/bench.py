@@ -331,6 +331,28 @@ def _env_int(name: str, low: int, high: int, what: str) -> int:
     return int(text)
 
 
+def _listen(host: str, port: int, rank: int, world: int):
+    """A socket listening at MASTER_ADDR:MASTER_PORT alone, for rank 0's store (given to
+    TCPStore as ``master_listen_fd``): a loopback MASTER_ADDR keeps the store off every other
+    interface."""
+    import socket
+
+    from tfcli.parallel.launch import RankError
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listening = socket.socket(family, kind, proto)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+        listening.listen(max(128, world))
+    except OSError as error:
+        listening.close()
+        raise RankError(rank, f"rank {rank} of {world}: cannot listen at {host}:{port} "
+                              f"(MASTER_ADDR:MASTER_PORT): {error.strerror or error}; give an "
+                              f"address of this machine and a free port") from None
+    return listening
+
+
 def _rendezvous(rank: int, world: int, wait: float):
     """The store the ranks meet at, at MASTER_ADDR:MASTER_PORT as env:// would make it (rank 0
     hosts it, unless torchrun's agent does). torch waits for the peers in native code, where
@@ -347,12 +369,16 @@ def _rendezvous(rank: int, world: int, wait: float):
 
     host, port = os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"])
     hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    # torch's store listens on every interface; rank 0 listens at MASTER_ADDR alone (the
+    # store takes the socket over: it closes it when it is done)
+    listening = _listen(host, port, rank, world).detach() if hosts else None
     met: dict = {}
 
     def meet() -> None:
         try:
-            met["store"] = dist.TCPStore(host, port, world, hosts,
-                                         timeout=datetime.timedelta(seconds=wait))
+            met["store"] = dist.TCPStore(
+                host, port, world, hosts, timeout=datetime.timedelta(seconds=wait),
+                master_listen_fd=listening)
         except Exception as error:  # noqa: BLE001 - told below, in one line
             met["error"] = error
 
