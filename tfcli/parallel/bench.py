@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import statistics
+import sys
 from typing import Any
 
 from tfcli.errors import TfcliError
@@ -331,6 +332,19 @@ def _env_int(name: str, low: int, high: int, what: str) -> int:
     return int(text)
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (an address, or a name such as
+    localhost that resolves there)."""
+    import ipaddress
+    import socket
+
+    try:
+        return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
 def _listen(host: str, port: int, rank: int, world: int):
     """A socket listening at MASTER_ADDR:MASTER_PORT alone, for rank 0's store (given to
     TCPStore as ``master_listen_fd``): a loopback MASTER_ADDR keeps the store off every other
@@ -416,6 +430,11 @@ def _under_torchrun(cfg_dict: dict, strategy: str, backend: str, batch: int,
     world = int(os.environ["WORLD_SIZE"])
     device = check_backend(backend, world)
     store = _rendezvous(int(os.environ["RANK"]), world, RENDEZVOUS_S)
+    if _loopback(os.environ["MASTER_ADDR"].strip()) and sys.platform == "linux":
+        # every rank is on this machine: the backends' sockets on lo, as --nproc's, where gloo
+        # would look its host name up (DNS) to pick an interface
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
