@@ -347,20 +347,23 @@ def _loopback(host: str) -> bool:
 
 def _listen(host: str, port: int, rank: int, world: int):
     """A socket listening at MASTER_ADDR:MASTER_PORT alone, for rank 0's store (given to
-    TCPStore as ``master_listen_fd``): a loopback MASTER_ADDR keeps the store off every other
-    interface."""
+    TCPStore as ``master_listen_fd``), so that a loopback MASTER_ADDR keeps the store off every
+    other interface."""
     import socket
 
     from tfcli.parallel.launch import RankError
 
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listening = socket.socket(family, kind, proto)
+    listening = None
     try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        listening = socket.socket(family, kind, proto)
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
         listening.listen(max(128, world))
     except OSError as error:
-        listening.close()
+        if listening is not None:
+            listening.close()
         raise RankError(rank, f"rank {rank} of {world}: cannot listen at {host}:{port} "
                               f"(MASTER_ADDR:MASTER_PORT): {error.strerror or error}; give an "
                               f"address of this machine and a free port") from None
@@ -383,9 +386,12 @@ def _rendezvous(rank: int, world: int, wait: float):
 
     host, port = os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"])
     hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    # torch's store listens on every interface; rank 0 listens at MASTER_ADDR alone (the
-    # store takes the socket over: it closes it when it is done)
-    listening = _listen(host, port, rank, world).detach() if hosts else None
+    # torch's store listens on every interface; with every rank on this machine (a loopback
+    # MASTER_ADDR) rank 0 listens there alone. Another address is left to torch: a host name
+    # that resolves to 127.0.1.1 here (Debian's /etc/hosts) and to the LAN address on the other
+    # nodes must still be reached. (The store takes the socket over and closes it.)
+    listening = _listen(host, port, rank, world).detach() if hosts and _loopback(host) \
+        else None
     met: dict = {}
 
     def meet() -> None:
