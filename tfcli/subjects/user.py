@@ -53,7 +53,8 @@ def _where(error: BaseException, near: str | None = None) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     if near:
         mine = [f for f in frames if Path(f.filename).resolve() == Path(near).resolve()]
-        frames = mine or frames
+        if mine:  # named as the user gave it (the module is loaded by its absolute path)
+            return f" ({near}:{mine[-1].lineno})"
     frames = [f for f in frames if not f.filename.startswith(_TFCLI)] or frames
     if not frames:
         return ""
@@ -76,17 +77,14 @@ class _Siblings:
     def __init__(self, folder: str) -> None:
         self.folder, self.prefix = folder, folder.rstrip(os.sep) + os.sep
         self.named: set[str] = set()
-        self.files: set[str] = set()
 
     @classmethod
-    def serve(cls, folder: str, named: set[str] = frozenset(),
-              files: set[str] = frozenset()) -> None:
+    def serve(cls, folder: str, named: set[str] = frozenset()) -> None:
         finder = cls._installed.get(folder)
         if finder is None or finder not in sys.meta_path:
             finder = cls._installed[folder] = cls(folder)
             sys.meta_path.append(finder)
         finder.named |= set(named)
-        finder.files |= set(files)
 
     def find_spec(self, fullname: str, path=None, target=None):
         if path is not None:  # a submodule: found through its package's __path__
@@ -105,7 +103,7 @@ class _Siblings:
         while frame is not None:
             name = frame.f_code.co_filename
             if not name.startswith("<"):
-                if name in self.files or os.path.abspath(name).startswith(self.prefix):
+                if os.path.abspath(name).startswith(self.prefix):
                     return True
                 if name.startswith(_TFCLI):
                     return False
@@ -125,12 +123,14 @@ def import_object(ref: str):
         if not path.is_file():
             raise TfcliError(f"--model {ref!r}: no such file {module_part!r}")
         name = f"tfcli_user_{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
+        # by its absolute path: its frames say which folder they are from, whatever directory
+        # the model moves to (the sibling finder below tells the model's code by them)
+        spec = importlib.util.spec_from_file_location(name, path.resolve())
         if spec is None or spec.loader is None:
             raise TfcliError(f"--model {ref!r}: {module_part!r} cannot be imported as Python")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickle-free typing need it registered
-        _Siblings.serve(str(path.resolve().parent), files={str(path)})
+        _Siblings.serve(str(path.resolve().parent))
         try:
             with model_code(f"while {module_part} was imported"):
                 spec.loader.exec_module(module)
