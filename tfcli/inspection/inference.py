@@ -93,12 +93,9 @@ def _refuse(subject, why: str) -> TfcliError:
                       f"decodes tokens with a KV cache (a decoder, or an encoder-decoder)")
 
 
-def cache_argument(model) -> str | None:
-    """The name ``model.forward`` takes its KV cache by: ``past_key_values`` (Transformers up
-    to 5.23), ``cache`` (5.24 on); None for a model that keeps none."""
-    import inspect
-
-    accepts = set(inspect.signature(model.forward).parameters)
+def _cache_argument(accepts: set[str]) -> str | None:
+    """The name a forward taking ``accepts`` takes its KV cache by: ``past_key_values``
+    (Transformers up to 5.23), ``cache`` (5.24 on); None for a model that keeps none."""
     if "use_cache" not in accepts:
         return None
     return next((name for name in ("past_key_values", "cache") if name in accepts), None)
@@ -106,7 +103,7 @@ def cache_argument(model) -> str | None:
 
 def cache_of(out):
     """The KV cache a Transformers model returned (None where it returned none), under either
-    of the names ``cache_argument`` knows."""
+    of the names ``_cache_argument`` knows."""
     for name in ("past_key_values", "cache"):
         cache = getattr(out, name, None)
         if cache is not None:
@@ -120,7 +117,7 @@ def _hf_calls(subject, model, sizes: dict[str, int]):
     import inspect
 
     accepts = set(inspect.signature(model.forward).parameters)
-    cache_name = cache_argument(model)
+    cache_name = _cache_argument(accepts)
     if cache_name is None:
         raise _refuse(subject, f"keeps no KV cache ({type(model).__name__}.forward takes no "
                                f"use_cache with past_key_values or cache)")
@@ -176,10 +173,12 @@ def hf_cache_replay(subject, sizes: dict[str, int], dtype: str, kernel: str = "a
             first = _LiveStorages(existing)
             with first:
                 out = Inputs((), prefill)(model)
-            if cache_of(out) is None:
+            written = cache_of(out)
+            if written is None:
                 raise _refuse(subject, f"returned no cache ({cache_name} is None with "
                                        f"use_cache=True)")
-            held = storage_bytes([t for _, t in held_tensors(cache_of(out))])
+            held = storage_bytes([t for _, t in held_tensors(written)])
+            del written
             after_prefill = sum(n for n, _ in held.values())
             # the peak as if the cache it wrote were kept at kv_dtype: the cache is alive at
             # the prefill's end, where the logits are made

@@ -16,6 +16,7 @@ it runs (the dropout calls taken out), its counts equal this mode's (tests/test_
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import statistics
@@ -332,6 +333,7 @@ def _env_int(name: str, low: int, high: int, what: str) -> int:
     return int(text)
 
 
+@functools.lru_cache(maxsize=None)  # asked by the rendezvous and then by the backends
 def _loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback interface (an address, or a name such as
     localhost that resolves there)."""
