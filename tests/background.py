@@ -5,15 +5,18 @@ group, tfcli run as the console script under an address-space limit, a closed st
 signal. Run where their tests stand, the suite would wait for each in turn with one of the
 machine's two cores idle. Instead each is a *job*, registered (at import) under the name of
 the fixture that hands its result to the tests. When the session starts, the jobs that some
-selected test needs run one at a time in a background thread, while the in-process tests run
-in the main one; the tests that read a job's result run last (tests/conftest.py orders them),
-and the fixture waits for its job if it is still running. A job that raises makes its fixture raise, so
-its tests fail; none is skipped.
+selected test needs start in two background threads, while the in-process tests run in the
+main one; the tests that read a job's result run last (tests/conftest.py orders them), and
+the fixture waits for its job if it is still running. A job that raises makes its fixture
+raise, so its tests fail; none is skipped.
 
-Jobs run in two lanes, one at a time in each (a thread each). Lane 2 holds the jobs that spend
-most of their time waiting rather than computing (real ranks starting, a deadline running
-out), so that their waiting overlaps the other jobs' work instead of adding to it, and work
-that fills those waits (the README's examples, tests/test_readme.py).
+Two jobs run at a time, the longest first (each job declares about how long it runs on a
+quiet machine: longest first keeps the two threads finishing together), so that a job that
+spends its time waiting (real ranks starting, a deadline running out) overlaps another's work
+instead of adding to it. Every process a job starts runs at a lower priority (``nice`` 10):
+the in-process tests, one thread the session cannot end before, get a core whenever they
+want one, and the jobs take what is left (on a 2-core EPYC the whole session took 285 s with
+the jobs' processes at the same priority as the tests, 207 s with them niced).
 
 A job runs while in-process tests change the working directory and the environment (a test
 may set torchrun's variables, or plant a ``json.py`` in the directory it runs in): the
@@ -30,44 +33,43 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 _JOBS: dict[str, Callable[[], Any]] = {}
-_LANES: dict[str, int] = {}  # job -> its lane (1 or 2)
+_COSTS: dict[str, float] = {}  # job -> the seconds it declares (the order jobs start in)
 _FUTURES: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # lane -> its thread
+_POOL: list[ThreadPoolExecutor] = []  # the two threads jobs run in, once started
+NICE = 10  # the priority jobs' processes run at, below the in-process tests
 _CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
 _TIMES: dict[str, list[float]] = {}  # job -> [seconds it ran, seconds tests waited for it]
 
 
-def job(fixture: str, lane: int = 1) -> Callable:
+def job(fixture: str, cost: float) -> Callable:
     """Register the decorated function (no arguments) as the job whose result ``fixture``
-    returns, run in ``lane`` (see above). The fixture must have that name and be a parameter
-    of the tests that read it, or a fixture they use (not fetched with
-    ``request.getfixturevalue``): that is how the session sees which jobs its tests need, and
-    which tests to run last."""
-    assert lane in (1, 2), lane
+    returns; ``cost``: about how many seconds it runs on a quiet machine (the longest
+    start first; the summary at the end of a session shows what each took). The fixture must
+    have that name and be a parameter of the tests that read it, or a fixture they use (not
+    fetched with ``request.getfixturevalue``): that is how the session sees which jobs its
+    tests need, and which tests to run last."""
 
     def register(fn: Callable[[], Any]) -> Callable[[], Any]:
         assert fixture not in _JOBS, f"two jobs for fixture {fixture!r}"
         _JOBS[fixture] = fn
-        _LANES[fixture] = lane
+        _COSTS[fixture] = cost
         return fn
 
     return register
 
 
 def start(fixtures: Iterable[str]) -> list[str]:
-    """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), each lane's in
-    the order they were registered (their modules' order, which is the order the tests need
-    them)."""
+    """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), the longest
+    first, two at a time."""
     wanted = set(fixtures)
-    names = [name for name in _JOBS if name in wanted and name not in _FUTURES]
+    names = sorted((name for name in _JOBS if name in wanted and name not in _FUTURES),
+                   key=lambda name: -_COSTS[name])
+    if names and not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="background"))
     for name in names:
-        lane = _LANES[name]
-        if lane not in _POOLS:
-            _POOLS[lane] = ThreadPoolExecutor(max_workers=1,
-                                              thread_name_prefix=f"background-lane-{lane}")
-        _FUTURES[name] = _POOLS[lane].submit(_timed, name)
+        _FUTURES[name] = _POOL[0].submit(_timed, name)
     return names
 
 
@@ -100,8 +102,8 @@ def result(fixture: str) -> Any:
 def summary() -> list[str]:
     """A line per job that ran: its seconds, and how long tests waited for it (the time the
     background added to the session)."""
-    return [f"{name} (lane {_LANES[name]}): ran {ran:.1f} s, tests waited {waited:.1f} s"
-            for name, (ran, waited) in _TIMES.items()]
+    return [f"{name} (declares {_COSTS[name]:g} s): ran {ran:.1f} s, tests waited "
+            f"{waited:.1f} s" for name, (ran, waited) in _TIMES.items()]
 
 
 def session_env() -> dict[str, str]:
@@ -111,8 +113,17 @@ def session_env() -> dict[str, str]:
 
 def popen(args: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen`` in the session's first directory and environment (unless given),
-    killed at the end of the session if it is still running (a session stopped early by
-    ``-x`` or Ctrl-C does not wait for it)."""
+    at priority ``NICE`` (``preexec_fn``, if given, runs after), killed at the end of the
+    session if it is still running (a session stopped early by ``-x`` or Ctrl-C does not wait
+    for it)."""
+    then = kwargs.pop("preexec_fn", None)
+
+    def lowered() -> None:
+        os.nice(NICE)
+        if then is not None:
+            then()
+
+    kwargs["preexec_fn"] = lowered
     kwargs.setdefault("cwd", _CWD)
     kwargs.setdefault("env", dict(_ENV))
     proc = subprocess.Popen(args, **kwargs)
@@ -136,11 +147,11 @@ def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 def stop() -> None:
     """At the session's end: jobs not yet begun are dropped, processes still running killed."""
-    for pool in _POOLS.values():
+    for pool in _POOL:
         pool.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
         for proc in _PROCESSES:
             if proc.poll() is None:
                 proc.kill()
-    for pool in _POOLS.values():
+    for pool in _POOL:
         pool.shutdown(wait=True)

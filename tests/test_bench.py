@@ -183,7 +183,7 @@ def bench_json_run():
     return background.result("bench_json_run")
 
 
-@background.job("bench_json_run")
+@background.job("bench_json_run", cost=5)
 def _bench_json_run() -> tuple[subprocess.CompletedProcess, bytes, list[str]]:
     """``bench --json --plot --profile`` as the console script in a directory of its own
     (profiling and plotting take seconds): its output, the plot's first bytes and the traces'
@@ -368,7 +368,7 @@ def busy_sweep():
     return background.result("busy_sweep")
 
 
-@background.job("busy_sweep")
+@background.job("busy_sweep", cost=5)
 def _busy_sweep() -> dict | None:
     """A sweep and three spinning processes share one CPU (each pinned with sched_setaffinity),
     so the one-thread sweep gets about a quarter of it whatever the machine's CPU count, quota

@@ -399,7 +399,7 @@ def user_code_processes():
     return background.result("user_code_processes")
 
 
-@background.job("user_code_processes", lane=2)
+@background.job("user_code_processes", cost=15)
 def _processes() -> dict:
     """Every process case, one after another, each in a directory of its own."""
     out = {}
@@ -478,7 +478,7 @@ def interpreter_gone():
     return background.result("interpreter_gone")
 
 
-@background.job("interpreter_gone")
+@background.job("interpreter_gone", cost=0.3)
 def _interpreter_gone() -> dict:
     out = {}
     env = {k: v for k, v in background.session_env().items() if k != "PYTHONFAULTHANDLER"}
