@@ -67,6 +67,9 @@ def _output_bytes(output, skip: set[int]) -> int:
     return total
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class _LiveStorages(TorchDispatchMode):
     """Counts bytes of storages created by ops and still alive; keeps the running peak.
     ``watch``: called after each allocation (see _UnitsBackward)."""
@@ -84,6 +87,13 @@ class _LiveStorages(TorchDispatchMode):
         self._seen.discard(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A tensor's device, which torch's own code asks for two dispatches in three (5,414 of
+        # 8,071 in a replay of GPT-2 small): FakeTensor's own answer, without passing it on to
+        # the fake mode's Python dispatch (the replay ~10 % faster)
+        if func is _DEVICE:
+            fake = getattr(args[0], "fake_mode", None)
+            if fake is not None and not fake.in_kernel_invocation:
+                return args[0].fake_device
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
