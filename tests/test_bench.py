@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import background
+import forked
 from tfcli.bench import cases
 from tfcli.bench.cases import prepare_attention
 from tfcli.bench.fit import loglog_slope, upper_half
@@ -190,10 +191,10 @@ def _bench_json_run() -> tuple[subprocess.CompletedProcess, bytes, list[str]]:
     names."""
     with tempfile.TemporaryDirectory(prefix="tfcli-bench-json-") as where:
         done = background.run(
-            [sys.executable, "-m", "tfcli", "bench", "--seq-lens", "16,32", "--heads", "2",
-             "--head-dim", "8", "--kernels", "naive,sdpa", "--pass", "fwd", "--min-time", "0.005",
-             "--max-time", "0.05", "--json", "--threads", "1", "--plot", "p.png", "--profile",
-             "traces"], 180, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            forked.command("-m", "tfcli", "bench", "--seq-lens", "16,32", "--heads", "2",
+                           "--head-dim", "8", "--kernels", "naive,sdpa", "--pass", "fwd",
+                           "--min-time", "0.005", "--max-time", "0.05", "--json", "--threads",
+                           "1", "--plot", "p.png", "--profile", "traces"), 180, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         png = Path(where, "p.png")
         traces = sorted(t.name for t in Path(where, "traces").glob("*.pt.trace.json"))

@@ -7,9 +7,11 @@ files.
 
 A case runs in this process (Typer's runner, in a directory of its own) unless the process is
 the point: a closed, full or broken stdout, a file-size limit, the interpreter's stream
-encoding, or a run that must be held to an address-space limit so that a regression fails here instead of reaching the
-OOM killer (``Case.process`` says which). Those run as `python -m tfcli` in the background job
-queue (tests/background.py), as do the signalled sweeps.
+encoding, or a run that must be held to an address-space limit so that a regression fails here
+instead of reaching the OOM killer (``Case.process`` says which). Those run in a background
+job (tests/background.py), as do the signalled sweeps: as `python -m tfcli` where the
+interpreter's start is the point (the stream encoding), else in a process forked from one
+that has imported torch (tests/forked.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import pytest
 
 import background
+import forked
 
 LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit; a 20 GB table or a 72 GB batch does not
 BIG = str(10**30)
@@ -550,7 +553,10 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
         read, write = os.pipe()
         os.close(read)  # every write to stdout meets EPIPE
         stdout = opened = write
-    command = [sys.executable, "-m", "tfcli", *case.args]
+    # a process forked from one that has imported torch (tests/forked.py), unless what is
+    # checked is what the interpreter decides as it starts
+    command = [sys.executable, "-m", "tfcli", *case.args] if "PYTHONIOENCODING" in case.env \
+        else forked.command("-m", "tfcli", *case.args)
     try:
         result = background.run(command, 240, cwd=where, env=env, stdout=stdout,
                                 stderr=subprocess.PIPE, preexec_fn=limits)
@@ -719,8 +725,8 @@ SIGNALLED = {  # name -> (the script, or None for tfcli itself; what is done onc
 
 def _sweep(where: Path, script: str | None = None) -> subprocess.Popen:
     (where / "out.csv").write_bytes(PRECIOUS["out.csv"])
-    command = [sys.executable, "-c", script, *SWEEP] if script else \
-        [sys.executable, "-m", "tfcli", *SWEEP]
+    command = forked.command("-c", script, *SWEEP) if script else \
+        forked.command("-m", "tfcli", *SWEEP)
     return background.popen(
         command, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**background.session_env(), "COLUMNS": "100"},
@@ -978,7 +984,7 @@ def _profile_signalled() -> dict:
     out = {}
     for signals in ("SIGINT", "SIGINT,SIGTERM"):
         with tempfile.TemporaryDirectory(prefix="tfcli-profile-") as name:
-            done = background.run([sys.executable, "-c", PROFILE_SIGNALLED, signals, *PROFILED],
+            done = background.run(forked.command("-c", PROFILE_SIGNALLED, signals, *PROFILED),
                                   120, cwd=name, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env={**background.session_env(), "COLUMNS": "100"})

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import background
+import forked
 
 from tfcli.model import masks
 from tfcli.model.attention import Attend
@@ -318,15 +319,15 @@ def _rule(key: str, q: int, k: int, window: int | None, src_len: int, tgt_len: i
 
 
 def _subprocess(args: list[str], columns: int = 100):
-    """`python -m tfcli` under a 3 GiB address-space limit: the old code refused (it sized
-    whole grids), and a regression that builds them fails here, not in the OOM killer."""
+    """tfcli as the console script (a process of its own: tests/forked.py) under a 3 GiB
+    address-space limit: the old code refused (it sized whole grids), and a regression that
+    builds them fails here, not in the OOM killer."""
     import resource
     import subprocess
-    import sys
 
     limit = 3 * 2**30
     return background.run(
-        [sys.executable, "-m", "tfcli", *args], 120, stdout=subprocess.PIPE,
+        forked.command("-m", "tfcli", *args), 120, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env={**background.session_env(), "COLUMNS": str(columns), "NO_COLOR": "1"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))

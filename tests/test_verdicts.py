@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import background
+import forked
 
 transformers = pytest.importorskip("transformers")
 
@@ -342,10 +343,11 @@ def _raw_writer_run():
     with tempfile.TemporaryDirectory(prefix="tfcli-raw-") as where:
         path = Path(where) / "raw.py"
         path.write_text(RAW_WRITER)
-        return background.run([sys.executable, "-m", "tfcli", "masks", "--model",
-                               f"{path}:Model", "--input", "x=float32[B,L,4]", "--causal", "x",
-                               "--check", "--json"], 120, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=where)
+        return background.run(forked.command("-m", "tfcli", "masks", "--model",
+                                             f"{path}:Model", "--input", "x=float32[B,L,4]",
+                                             "--causal", "x", "--check", "--json"),
+                              120, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=where)
 
 
 def test_stdout_holds_only_the_answer_even_when_the_model_writes_to_descriptor_1(
