@@ -172,6 +172,66 @@ def test_activation_estimate_matches_a_real_cpu_peak(name, overrides, batch, len
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
 
 
+# A user's module that reduces a parameter where it uses it: the gradient arrives as a broadcast
+# view, which AccumulateGrad copies to the parameter's layout (added in place when the
+# gradient exists beforehand)
+SUMMED = """
+import torch
+from torch import nn
+
+class Summed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(4, 4096))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(x * self.table.sum(-1))
+
+def build():
+    return Summed()
+"""
+
+
+@pytest.mark.parametrize("model,mixed,loop,keep_grads,frozen,device", [
+    ("tiny", "bf16", "keep-output", False, (), "cuda"),
+    # the embedding's backward, after every other gradient exists, makes the peak
+    ("llama", None, "loss-only", False, ("model.layers.0.*",), "cpu"),
+    ("summed", None, "loss-only", False, (), "cpu"),
+    ("summed", None, "loss-only", True, (), "cpu"),
+])
+def test_one_step_replay_answers_the_activation_lines_as_their_own_replay(
+        tmp_path, model, mixed, loop, keep_grads, frozen, device):
+    """`params --seq-len` replays the step once: its activation lines (the peak with every
+    gradient allocated beforehand, saved bytes by kind, the held output) come from the replay
+    whose gradients appear as backward makes them, counted apart. The activation replay's own
+    peak is held to the profiler above; this holds the one replay to it, to the byte."""
+    from tfcli.inspection.memory import _replay_activations, _replay_step
+    from tfcli.subjects import resolve_subject
+
+    sizes = {"B": 2, "S": 16, "T": 16, "L": 16}
+    if model == "llama":
+        subject, sizes = resolve_subject(model="hf:examples/llama-tiny"), {"B": 1, "L": 4}
+    elif model == "summed":
+        (tmp_path / "summed.py").write_text(SUMMED)
+        subject = resolve_subject(model=f"{tmp_path / 'summed.py'}:build",
+                                  inputs=["x=float32[B,L]"])
+        sizes = {"B": 2, "L": 4}
+    else:
+        subject = OwnSubject(get_preset(model))
+    alone, _ = _replay_activations(subject, sizes, "fp32", mixed, "auto", None, frozen, loop,
+                                   device)
+    both = _replay_step(subject, sizes, "fp32", mixed, "adamw", "auto", keep_grads, "foreach",
+                        None, frozen, loop, device, activations=True)
+    step = _replay_step(subject, sizes, "fp32", mixed, "adamw", "auto", keep_grads, "foreach",
+                        None, frozen, loop, device)
+    assert (both.activations.peak_bytes, both.activations.saved_bytes,
+            both.activations.held_output) == (alone.peak_bytes, alone.saved_bytes,
+                                              alone.held_output)
+    assert (both.peak, both.optimizer_temporaries) == (step.peak, step.optimizer_temporaries)
+    assert alone.peak_bytes > 0 and (loop == "loss-only") == (alone.held_output == 0)
+
+
 def test_attention_matrices_are_quadratic_for_naive_and_absent_for_cpu_flash():
     cfg = get_preset("tiny").replace(dropout=0.0)
     def estimate(cfg, n):

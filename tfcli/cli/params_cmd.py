@@ -478,7 +478,7 @@ def params(
                        (kv_dtype or dtype).value, kernel)
         batch_size, seq_len = served.point.batch, served.point.length
 
-    activations, how, memory = None, "", []
+    activations, how, memory, step, recorder = None, "", [], None, None
     if seq_len is not None:
         dims = sizes(subject, batch_size, seq_len, seq_len, dim, seq_len)
         assumed = mem.assumed_kernel(attention_kernel.value, device.value, dtype.value, mixed,
@@ -510,27 +510,34 @@ def params(
                     "method": f"fake-tensor replay of each forward on {device.value} kernels: "
                               f"nothing allocated; the KV cache modelled per layer as a "
                               f"DynamicCache grows (a rolling buffer with a sliding window)"})
-        else:
+        elif dtype is DType.int8 and not mixed:  # an inference format: no step to replay
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel, freeze=tuple(freeze or ()),
                                                         loop=loop.value, device=device.value)
             how += f"; attention kernel: {assumed}, on {device.value}"
+        else:
+            # one replay of the step answers the activation lines and the step's own
+            if timeline is not None:
+                from tfcli.inspection.timeline import TimelineRecorder
+
+                recorder = TimelineRecorder()
+            step = mem.estimate_step(subject, dims, dtype.value, mixed, optimizer.value, kernel,
+                                     keep_grads, recorder, impl, tuple(freeze or ()),
+                                     loop.value, device.value, activations=True)
+            activations = step.activations
+            how = (mem.activations_how(subject, dims, mixed, tuple(freeze or ()), loop.value)
+                   + f"; attention kernel: {assumed}, on {device.value}")
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
         memory = mem.training_memory(report.total_params, report.trainable_params,
                                      report.buffer_numel, dtype.value, optimizer.value, mixed,
                                      activations)
-        if activations is not None and not (dtype is DType.int8 and not mixed):
+        if step is not None:
             by = {m.name: m.bytes for m in memory}
-            recorder = None
-            if timeline is not None:
-                from tfcli.inspection.timeline import TimelineRecorder
-
-                recorder = TimelineRecorder()
             memory += mem.training_step_lines(
-                subject, dims, dtype.value, mixed, optimizer.value, kernel, keep_grads,
-                by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"],
-                recorder, impl, impl_why, tuple(freeze or ()), loop.value, device.value)
+                step, optimizer.value, keep_grads,
+                by["weights"] + by["buffers"] + by["optimizer state"], by["gradients"], impl,
+                impl_why, loop.value)
             if recorder is not None:
                 precision = f"fp32 weights, autocast {mixed}" if mixed else dtype.value
                 written = _write_timeline(timeline_file, recorder.timeline, memory[-1].bytes, {

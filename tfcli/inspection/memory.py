@@ -75,6 +75,7 @@ class _LiveStorages(TorchDispatchMode):
     ``watch``: called after each allocation (see _UnitsBackward)."""
 
     watch: Callable[[], None] | None = None
+    apart: "_GradientsApart | None" = None  # a second count, gradients left out
 
     def __init__(self, existing: list[Tensor]) -> None:
         super().__init__()
@@ -85,6 +86,8 @@ class _LiveStorages(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._seen.discard(key)
+        if self.apart is not None:
+            self.apart.freed(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A tensor's device, which torch's own code asks for two dispatches in three (5,414 of
@@ -104,6 +107,8 @@ class _LiveStorages(TorchDispatchMode):
                     nbytes = storage.nbytes()
                     self.live += nbytes
                     self.peak = max(self.peak, self.live)
+                    if self.apart is not None:
+                        self.apart.allocated(key, nbytes)
                     self._allocated(key, nbytes, t, func)
                     if self.watch is not None:
                         self.watch()
@@ -119,6 +124,43 @@ class _LiveStorages(TorchDispatchMode):
         counter; a timeline recorder (tfcli.inspection.timeline) marks it."""
 
 
+class _GradientsApart:
+    """The count a replay with every gradient allocated before the step would keep
+    (simulate_training_step's), kept during a replay where gradients appear as backward makes
+    them (simulate_step's), so that one replay answers both.
+
+    With gradients allocated beforehand, AccumulateGrad adds each incoming gradient into its
+    ``.grad`` in place and the incoming tensor is freed as it returns; without, the incoming
+    tensor becomes the ``.grad`` (or a copy made while AccumulateGrad runs does, when its layout
+    does not suit the parameter). Both replays allocate the same storages in the same order but
+    for those copies, and differ only in what outlives AccumulateGrad: so this count leaves out
+    a storage from the moment it becomes a parameter's gradient (``became_gradient``, after
+    accumulation) and any storage AccumulateGrad allocates, and otherwise counts as the replay
+    does. A gradient kept from before the step (zero_grad(set_to_none=False)) was never counted
+    and is not taken off."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._counted: dict[int, int] = {}  # id(storage) -> bytes, of what this count holds
+
+    def allocated(self, key: int, nbytes: int) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None and node.name() == _ACCUMULATE_GRAD:
+            return  # a copy that becomes a gradient; accumulated in place, it would not exist
+        self._counted[key] = nbytes
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def freed(self, key: int) -> None:
+        self.live -= self._counted.pop(key, 0)
+
+    def became_gradient(self, parameter: Tensor) -> None:
+        if parameter.grad is not None:
+            self.freed(id(storage_of(parameter.grad)))
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 BEFORE_UNITS = -1  # the owner of what is saved before the first unit runs
 
 
@@ -520,16 +562,20 @@ def _optimizer(name: str, params: list, impl: str = "for-loop"):
 @dataclass(frozen=True)
 class StepReplay:
     """One replayed training step: its own peak above what exists before it, and the highest
-    bytes ``optimizer.step()`` adds to what is alive when it starts (its temporaries)."""
+    bytes ``optimizer.step()`` adds to what is alive when it starts (its temporaries);
+    ``activations``, when asked for: what simulate_training_step finds for the same forward and
+    backward, from the same replay (see _GradientsApart)."""
     peak: int
     optimizer_temporaries: int
+    activations: ActivationEstimate | None = None
 
 
 def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Module], object],
                   loss: Callable[[object], Tensor], optimizer: str,
                   autocast_dtype: torch.dtype | None = None, device: str = "cpu",
                   kernel: str = "auto", keep_grads: bool = False, timeline=None,
-                  optimizer_impl: str = "for-loop", loop: str = "loss-only") -> StepReplay:
+                  optimizer_impl: str = "for-loop", loop: str = "loss-only",
+                  activations: bool = False) -> StepReplay:
     """Peak bytes of one steady-state training step as PyTorch's default loop runs it —
     forward; backward, gradients allocated as produced while activations are freed;
     ``optimizer.step()`` with its temporaries (``optimizer_impl``: for-loop, foreach or fused,
@@ -537,9 +583,13 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
     state, inputs (and kept gradients), which exist before the step; ``loop`` (LOOPS): the
     model's output freed before backward, or held until the step ends. Replayed on fake
     tensors: nothing is allocated. ``timeline``: a tfcli.inspection.timeline.TimelineRecorder that
-    records every allocation and free; ``device``: as simulate_training_step's."""
+    records every allocation and free; ``device``: as simulate_training_step's;
+    ``activations``: also answer simulate_training_step's question (forward and backward with
+    gradients allocated beforehand, what was saved for backward by kind) from this replay,
+    instead of a second one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from tfcli.inspection.ops import OpObserver
     from tfcli.subjects.base import Inputs
 
     with FakeTensorMode():
@@ -558,19 +608,37 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
                     *(p.grad for p in trainable if p.grad is not None)]
         live = _LiveStorages(existing) if timeline is None else \
             timeline.start(existing, model, opt, inputs.tensors())
+        saved = _SavedTensors(existing) if activations else None
         del existing, state
         amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
+        hooks, watched = [], contextlib.nullcontext()
+        if saved is not None:
+            live.apart = apart = _GradientsApart()
+            hooks = [p.register_post_accumulate_grad_hook(apart.became_gradient)
+                     for p in trainable]
+            watched = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
         with live, _as_device(device):
-            with running(model, during=REPLAY), amp, attention_kernel(kernel):
-                output = inputs(model)
-                out = loss(output)
-            if loop != "keep-output":
-                del output
-            live.phase("backward")
-            with running(model, "backward pass", REPLAY):
-                out.backward()
-            del out
+            with watched:
+                with running(model, during=REPLAY), amp, attention_kernel(kernel), \
+                        (OpObserver(saved.on_op) if saved is not None
+                         else contextlib.nullcontext()):
+                    output = inputs(model)
+                    out = loss(output)
+                held = (_output_bytes(output, set(saved.by_storage))
+                        if saved is not None and loop == "keep-output" else 0)
+                if loop != "keep-output":
+                    del output
+                live.phase("backward")
+                with running(model, "backward pass", REPLAY):
+                    out.backward()
+                del out
+            found = None
+            if saved is not None:
+                for hook in hooks:
+                    hook.remove()
+                found = ActivationEstimate(apart.peak, saved.sums(), held_output=held)
+                live.apart = None
             live.phase("optimizer step")
             # the step's own high-water mark: the running peak restarts at what is alive now,
             # and the larger of the two is put back
@@ -580,7 +648,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
             live.phase("zero_grad")
             opt.zero_grad(set_to_none=not keep_grads)
             output = None  # the step ends: a kept output goes (after the peak, if any)
-    return StepReplay(live.peak, temporaries)
+    return StepReplay(live.peak, temporaries, found)
 
 
 @functools.lru_cache(maxsize=64)
@@ -801,12 +869,17 @@ def _replay_activations(subject, sizes, dtype, mixed, kernel, units=None, freeze
     estimate = simulate_training_step(build, make_inputs, subject.loss,
                                       autocast_dtype=DTYPES[mixed] if mixed else None,
                                       device=device, kernel=kernel, units=units, loop=loop)
-    how = (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
-           f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
-           + (f", {', '.join(freeze)} frozen" if freeze else "")
-           + f"; {LOOP_WORDS[loop]}"
-           + "".join(f"; {line}" for line in subject.assumptions()))
-    return estimate, how
+    return estimate, activations_how(subject, sizes, mixed, freeze, loop)
+
+
+def activations_how(subject, sizes: dict[str, int], mixed: str | None,
+                    freeze: tuple[str, ...] = (), loop: str = "loss-only") -> str:
+    """How estimate_activations found its answer, in a line."""
+    return (f"fake-tensor replay of forward+backward, {_sizes_text(subject, sizes)}, "
+            f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
+            + (f", {', '.join(freeze)} frozen" if freeze else "")
+            + f"; {LOOP_WORDS[loop]}"
+            + "".join(f"; {line}" for line in subject.assumptions()))
 
 
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
@@ -822,26 +895,31 @@ def estimate_step(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
                   optimizer: str, kernel: str = "auto", keep_grads: bool = False,
                   timeline=None, optimizer_impl: str = "for-loop",
                   freeze: tuple[str, ...] = (), loop: str = "loss-only",
-                  device: str = "cpu") -> StepReplay:
+                  device: str = "cpu", activations: bool = False) -> StepReplay:
     """The replayed step (see simulate_step) of ``subject`` at ``sizes``; ``freeze``:
-    --freeze's patterns; ``loop``: LOOPS; ``device``: whose code paths (cpu, cuda)."""
+    --freeze's patterns; ``loop``: LOOPS; ``device``: whose code paths (cpu, cuda);
+    ``activations``: with estimate_activations' answer too (its line: activations_how)."""
     if timeline is None and _remembers(subject):
-        return _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
+        step = _own_replay("step", subject.cfg, _key(sizes), dtype, mixed=mixed,
                            optimizer=optimizer, kernel=kernel, keep_grads=keep_grads,
                            optimizer_impl=optimizer_impl, freeze=tuple(freeze), loop=loop,
-                           device=device)
+                           device=device, activations=activations)
+        if step.activations is not None:  # the remembered estimate stays as it was
+            step = replace(step, activations=replace(
+                step.activations, saved_bytes=dict(step.activations.saved_bytes)))
+        return step
     return _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
-                        optimizer_impl, timeline, tuple(freeze), loop, device)
+                        optimizer_impl, timeline, tuple(freeze), loop, device, activations)
 
 
 def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
                  optimizer_impl="for-loop", timeline=None, freeze=(), loop="loss-only",
-                 device="cpu"):
+                 device="cpu", activations=False):
     build, make_inputs = _replay_args(subject, sizes, dtype, freeze)
     return simulate_step(build, make_inputs, subject.loss, optimizer,
                          DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
                          keep_grads=keep_grads, timeline=timeline,
-                         optimizer_impl=optimizer_impl, loop=loop)
+                         optimizer_impl=optimizer_impl, loop=loop, activations=activations)
 
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
@@ -893,17 +971,14 @@ _IMPL_WORDS = {"for-loop": "a few temporaries the size of one parameter at a tim
                "fused": "one kernel per parameter group: no temporaries"}
 
 
-def training_step_lines(subject, sizes: dict[str, int], dtype: str, mixed: str | None,
-                        optimizer: str, kernel: str, keep_grads: bool, resident: int,
-                        grads: int, timeline=None, optimizer_impl: str = "for-loop",
-                        impl_why: str = "", freeze: tuple[str, ...] = (),
-                        loop: str = "loss-only", device: str = "cpu") -> list[MemoryLine]:
+def training_step_lines(step: StepReplay, optimizer: str, keep_grads: bool, resident: int,
+                        grads: int, optimizer_impl: str = "for-loop", impl_why: str = "",
+                        loop: str = "loss-only") -> list[MemoryLine]:
     """The optimizer step's temporaries and the peak of one steady-state training step: what
     exists before it (weights, buffers, optimizer state, kept gradients) plus the replayed
-    step's own peak above that; ``timeline`` (a TimelineRecorder) records the same replay's
-    events; ``impl_why`` says where ``optimizer_impl`` came from; ``loop``: LOOPS."""
-    step = estimate_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads, timeline,
-                         optimizer_impl, freeze, loop, device)
+    step's own peak above that (``step``: estimate_step's, replayed with ``optimizer``
+    (``optimizer_impl``), ``keep_grads`` and ``loop``); ``impl_why`` says where
+    ``optimizer_impl`` came from; ``loop``: LOOPS."""
     before = resident + (grads if keep_grads else 0)
     zero = "zero_grad(set_to_none=False): gradients kept" if keep_grads else \
         "zero_grad(set_to_none=True), PyTorch's default: gradients appear as activations go"
