@@ -33,7 +33,7 @@ import background
 # says its pid, waits for it and says how it ended (or kills it when the stand-in is gone).
 SERVER = r'''
 import json, os, signal, socket, sys
-import torch  # what every child would otherwise import for itself
+import torch, torch._dynamo  # what every child would otherwise import for itself
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # watchers are reaped by the kernel
 listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
