@@ -595,15 +595,19 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
     with FakeTensorMode():
         model = build().train()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = _optimizer(optimizer, trainable, optimizer_impl)
+        # nothing trainable (no parameters, or all frozen): no optimizer; the model's own
+        # forward still runs first, so that its failure is the one reported
+        opt = _optimizer(optimizer, trainable, optimizer_impl) if trainable else None
         for p in trainable:  # one step on zero gradients creates the optimizer's state
             p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=not keep_grads)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=not keep_grads)
         inputs = make_inputs(model)
         if not isinstance(inputs, Inputs):
             inputs = Inputs((), dict(inputs))
-        state = [t for st in opt.state.values() for t in st.values() if isinstance(t, Tensor)]
+        state = [t for st in (opt.state.values() if opt is not None else ())
+                 for t in st.values() if isinstance(t, Tensor)]
         existing = [*model.parameters(), *model.buffers(), *state, *inputs.tensors(),
                     *(p.grad for p in trainable if p.grad is not None)]
         live = _LiveStorages(existing) if timeline is None else \
@@ -643,10 +647,12 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
             # the step's own high-water mark: the running peak restarts at what is alive now,
             # and the larger of the two is put back
             at_start, so_far, live.peak = live.live, live.peak, live.live
-            opt.step()
+            if opt is not None:
+                opt.step()
             temporaries, live.peak = live.peak - at_start, max(so_far, live.peak)
             live.phase("zero_grad")
-            opt.zero_grad(set_to_none=not keep_grads)
+            if opt is not None:
+                opt.zero_grad(set_to_none=not keep_grads)
             output = None  # the step ends: a kept output goes (after the peak, if any)
     return StepReplay(live.peak, temporaries, found)
 
