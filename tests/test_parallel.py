@@ -227,11 +227,11 @@ def _tracked_script() -> str:
         for name, fields in {_cfg_dicts()!r}.items():
             cfg = Config(**fields)
             for n in (1, 2, 8):
-                for b, s in {SIZES!r}:
-                    out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory(cfg, n, b, s)
+                for (b, s), measured in zip({SIZES!r}, fsdp_fake_memory(cfg, n, {SIZES!r})):
+                    out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = measured
             for n in (2, 8):
-                out[f"{{name}}/zero2/{{n}}"] = fsdp_fake_memory(cfg, n, *{SIZES[0]!r},
-                                                             reshard_after_forward=False)
+                (out[f"{{name}}/zero2/{{n}}"],) = fsdp_fake_memory(
+                    cfg, n, [{SIZES[0]!r}], reshard_after_forward=False)
             for t in (2, 4):
                 out[f"{{name}}/tp{{t}}"] = tp_fake_layer_activations(cfg, t, 2, 64)
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -868,10 +868,11 @@ def _traced_script() -> str:
         out = {{}}
         for name, args in {files!r}.items():
             subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
-            for n in {TRACED_WORLDS!r}:
-                for b, s in {TRACED_SIZES!r}:
-                    out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
-                        subject, n, {{"B": b, "S": s, "T": s, "L": s}})
+            for n in {TRACED_WORLDS!r}:  # both sizes on one sharded model
+                measured = fsdp_fake_memory_subject(
+                    subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {TRACED_SIZES!r}])
+                for (b, s), figures in zip({TRACED_SIZES!r}, measured):
+                    out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = figures
         for name, args in {heavy!r}.items():  # N = 4, B = 1, L = 8
             subject = resolve_subject(model=args[1])
             for precision in {HEAVY_PRECISIONS!r}:

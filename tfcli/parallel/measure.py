@@ -2,8 +2,8 @@
 
 :func:`fsdp_fake_memory` shards tfcli's model with FSDP2 ``fully_shard`` (one unit per layer and
 the root) on torch.distributed's fake process group — a world of N ranks in one process, whose
-collectives do nothing — and runs two training steps under FakeTensorMode (no memory is
-allocated) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts
+collectives do nothing — and runs training steps under FakeTensorMode (no memory is
+allocated; the optimizer's first step, then one measured step at each size asked) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts
 every live tensor into sharded/unsharded parameters, gradients, optimizer state, activations,
 temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
 the same for tensor parallelism (``parallelize_module``) with torch's ``MemTracker``. These are
@@ -43,11 +43,12 @@ def _by_name(snapshot: dict) -> dict[str, int]:
     return {getattr(k, "value", k): int(v) for k, v in per_device.items()}
 
 
-def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
-                     reshard_after_forward: bool = True) -> dict[str, dict]:
-    """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks: ``after_backward`` (all
-    sharded gradients present) and ``peak``, each {category: bytes} as the tracker names them
-    ("Sharded Param", "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...).
+def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
+                     reshard_after_forward: bool = True) -> list[dict[str, dict]]:
+    """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks, at each (batch, length)
+    of ``sizes`` in turn (see _tracked): ``after_backward`` (all sharded gradients present)
+    and ``peak``, each {category: bytes} as the tracker names them ("Sharded Param",
+    "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...).
     ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
     FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole)."""
     from tfcli.model.transformer import build_model
@@ -58,26 +59,28 @@ def fsdp_fake_memory(cfg: Config, world: int, batch: int, seq_len: int,
                 for layer in stack.layers]
 
     return _tracked(OwnSubject(cfg), lambda: build_model(cfg, "cpu"), layers, world,
-                    {"B": batch, "S": seq_len, "T": seq_len}, reshard_after_forward)
+                    [{"B": b, "S": n, "T": n} for b, n in sizes], reshard_after_forward)
 
 
-def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int], wrap: str | None = None,
-                             reshard_after_forward: bool = True,
+def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[dict[str, int]],
+                             wrap: str | None = None, reshard_after_forward: bool = True,
                              precision: str | None = None,
-                             foreach: bool | None = None) -> dict[str, dict]:
+                             foreach: bool | None = None) -> dict[str, dict] | list[dict]:
     """The same for any subject (a user's module, a Transformers model): built as the subject
     builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
     largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
-    ``sizes`` and its loss. ``precision``: None (fp32), "autocast" (the step under
-    torch.autocast bf16) or "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=fp32)`` on every unit). ``foreach``: Adam's implementation (None: PyTorch's
-    pick, the for-loop on the CPU)."""
+    ``sizes`` (a list of them: the figures at each in turn, see _tracked) and its loss.
+    ``precision``: None (fp32), "autocast" (the step under torch.autocast bf16) or
+    "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on every
+    unit). ``foreach``: Adam's implementation (None: PyTorch's pick, the for-loop on the
+    CPU)."""
     from tfcli.parallel.units import find_units
 
-    return _tracked(subject, lambda: subject.build("cpu"),
-                    lambda model: find_units(model, wrap).modules, world, sizes,
-                    reshard_after_forward, root_default=True, precision=precision,
-                    foreach=foreach)
+    out = _tracked(subject, lambda: subject.build("cpu"),
+                   lambda model: find_units(model, wrap).modules, world,
+                   sizes if isinstance(sizes, list) else [sizes], reshard_after_forward,
+                   root_default=True, precision=precision, foreach=foreach)
+    return out if isinstance(sizes, list) else out[0]
 
 
 def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
@@ -95,12 +98,17 @@ def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
                 reshard_after_forward else reshard_after_forward, mp_policy=mp_policy)
 
 
-def _tracked(subject, build, units, world: int, sizes: dict[str, int],
+def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
              reshard_after_forward: bool, root_default: bool = False,
-             precision: str | None = None, foreach: bool | None = None) -> dict[str, dict]:
-    """``root_default``: the root unit as fully_shard leaves it by default, gathered from
-    forward to backward (else it is resharded like the layers); ``precision``: see
-    :func:`fsdp_fake_memory_subject`."""
+             precision: str | None = None, foreach: bool | None = None) -> list[dict]:
+    """One model sharded once, and under FSDPMemTracker a steady-state training step at each
+    of ``sizes`` in turn: at the first, two steps (the first creates the optimizer state, the
+    second is measured); at each later one a single step, the tracker entered again (which
+    starts its peak afresh) with the optimizer state it already knows. Each size's figures
+    equal those of a model of its own put through both steps (checked on the tracker cases
+    of tests/test_parallel.py, to the byte), for one step less each. ``root_default``: the
+    root unit as fully_shard leaves it by default, gathered from forward to backward (else
+    it is resharded like the layers); ``precision``: see :func:`fsdp_fake_memory_subject`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -112,40 +120,46 @@ def _tracked(subject, build, units, world: int, sizes: dict[str, int],
                  if precision == "fsdp-mixed" else None)
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "autocast" \
         else contextlib.nullcontext
+    out = []
     with _fake_world(world) as mesh:
         with FakeTensorMode():
             model = build()
             _shard(model, units(model), mesh, reshard_after_forward, root_default, mp_policy)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                          lr=1e-4, foreach=foreach)
-            inputs = subject.step_inputs(model, sizes, "cpu")
             tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs(tuple(inputs.tensors()))
-            snapshots = {}
-            with tracker:
-                for step in range(2):  # the first step creates the optimizer state
-                    with amp():
-                        loss = subject.loss(inputs(model))
-                    loss.backward()
-                    if step == 1:
-                        snapshots["after_backward"] = _by_name(tracker.get_tracker_snapshot())
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    del loss
-                    if step == 0:
-                        tracker.reset_mod_stats()
-            snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
-            # each category's largest figure in any FSDP module's snapshots of the second
-            # step (before and after each forward and backward hook, and each module's peak):
-            # a buffer that lives between the hooks is seen even where the peak is elsewhere
-            largest: dict[str, int] = {}
-            for stats in tracker.memory_tracking.values():
-                for snaps in getattr(stats, "snapshots", {}).values():
-                    for snap in snaps:
-                        for name, value in _by_name(snap).items():
-                            largest[name] = max(largest.get(name, 0), value)
-            snapshots["largest"] = largest
-        return snapshots
+            for first, at in zip([True] + [False] * (len(sizes) - 1), sizes):
+                inputs = subject.step_inputs(model, at, "cpu")
+                tracker.track_inputs(tuple(inputs.tensors()))
+                snapshots = {}
+                with tracker:
+                    for measured in ((False, True) if first else (True,)):
+                        with amp():
+                            loss = subject.loss(inputs(model))
+                        loss.backward()
+                        if measured:
+                            snapshots["after_backward"] = _by_name(
+                                tracker.get_tracker_snapshot())
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        del loss
+                        if not measured:
+                            tracker.reset_mod_stats()
+                    snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
+                    # each category's largest figure in any FSDP module's snapshots of the
+                    # measured step (before and after each forward and backward hook, and each
+                    # module's peak): a buffer that lives between the hooks is seen even where
+                    # the peak is elsewhere
+                    largest: dict[str, int] = {}
+                    for stats in tracker.memory_tracking.values():
+                        for snaps in getattr(stats, "snapshots", {}).values():
+                            for snap in snaps:
+                                for name, value in _by_name(snap).items():
+                                    largest[name] = max(largest.get(name, 0), value)
+                    snapshots["largest"] = largest
+                tracker.reset_mod_stats()
+                out.append(snapshots)
+    return out
 
 
 def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> list[int]:
