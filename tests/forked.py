@@ -71,7 +71,7 @@ while True:
         how, what, args = request["how"], request["what"], request["args"]
         if how == "-m":
             import runpy
-            sys.argv = [what, *args]
+            sys.argv = ["-m", *args]  # as -m has it while it looks for the module
             sys.path[0] = os.getcwd()
             runpy._run_module_as_main(what)  # what -m does
         else:
