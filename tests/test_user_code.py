@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import background
+import forked
 
 LIMIT_AS = 3 * 2**30  # torch, a model and Rich fit
 
@@ -363,6 +364,11 @@ PROCESS_CASES = [  # (action, stage, command, exit code)
     ("thread", "import", "params", 0),  # the thread outlives the answer: the command's own code
     ("thread", "forward", "shapes", 0),
 ]
+# Cases that start a fresh interpreter, not a process forked from one that has imported torch
+# (tests/forked.py): those whose command runs to its end, where torch probes for the packages
+# it may use (triton, absent on a CPU build) as it imports and as it first dispatches: a
+# planted triton.py beside the model must not be what it finds. The crashes end before that.
+FRESH = {"segfault-profiled", "thread"}
 
 
 def _process(case, where: Path) -> tuple[int, str] | None:
@@ -381,9 +387,10 @@ def _process(case, where: Path) -> tuple[int, str] | None:
     env = {**background.session_env(), "COLUMNS": "100", "NO_COLOR": "1"}
     for name in ("TFCLI_TRACEBACK", "PYTHONFAULTHANDLER"):
         env.pop(name, None)
-    proc = background.popen([sys.executable, "-m", "tfcli", *arguments(command)], cwd=where,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=limits)
+    started = [sys.executable, "-m", "tfcli", *arguments(command)] if action in FRESH else \
+        forked.command("-m", "tfcli", *arguments(command))
+    proc = background.popen(started, cwd=where, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limits)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
