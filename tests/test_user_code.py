@@ -365,9 +365,10 @@ PROCESS_CASES = [  # (action, stage, command, exit code)
     ("thread", "forward", "shapes", 0),
 ]
 # Cases that start a fresh interpreter, not a process forked from one that has imported torch
-# (tests/forked.py): those whose command runs to its end, where torch probes for the packages
-# it may use (triton, absent on a CPU build) as it imports and as it first dispatches: a
-# planted triton.py beside the model must not be what it finds. The crashes end before that.
+# (tests/forked.py): torch probes for the packages it may use (triton, absent on a CPU build)
+# as it imports, which a forked child has done before it starts; a planted triton.py beside
+# the model must not be what those probes find either. The crashes fork: their probes made
+# later (torch's flop counter as shapes starts) are still checked there.
 FRESH = {"segfault-profiled", "thread"}
 
 
