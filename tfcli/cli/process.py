@@ -163,6 +163,7 @@ class TfcliGroup(TyperGroup):
             _restore_cursor()
         if standalone_mode and Signals.own_process:
             _leave_threads_behind(code)
+            _end_process(code)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -254,6 +255,33 @@ def _leave_threads_behind(code: int) -> None:
             if stream is not None:
                 stream.flush()
         except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _end_process(code: int) -> None:
+    """The command has answered and no thread of the model's is left: end the process with
+    ``code``, doing what Python's own exit does that anyone could see and skipping what no one
+    can. At exit Python runs the atexit handlers (torch's, the model's, weakref finalizers,
+    tfcli's own last), flushes the standard streams, and then takes every module apart and
+    frees each object in turn: 0.35 s of CPU with torch loaded, 0.7 s once torch._dynamo is
+    (every fake-tensor replay loads it), a fifth of a short command's time. Here the handlers
+    run, every file still open is flushed as its deallocation would flush it (a log the model
+    keeps open; stdout and stderr last, whose errors were reported by the command), and
+    os._exit ends the process."""
+    import atexit
+    import gc
+    import io
+
+    atexit._run_exitfuncs()
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    standard = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    files = [o for o in gc.get_objects() if type(o) in kinds and o not in standard]
+    for stream in [*files, *standard]:
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except (OSError, ValueError):  # the command has said what it could not write
             pass
     os._exit(code)
 
