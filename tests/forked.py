@@ -12,9 +12,11 @@ script (``-m tfcli ARGS``) or a script (``-c CODE ARGS``) and ends as an interpr
 child and ends as the child ended: its exit code, or killed by the same signal. A stand-in
 killed outright takes the child with it.
 
-Not for what an interpreter decides as it starts: the streams' encoding (PYTHONIOENCODING),
-``sys.path`` from PYTHONPATH, what is imported before tfcli (the server has torch), a process
-that must fail to import torch. Those start ``python`` itself.
+The server imports torch and torch._dynamo (which torch's fake tensors load at their first
+dispatch: 1.3 s more of CPU in every child that replays a step). Not for what an interpreter
+decides as it starts: the streams' encoding (PYTHONIOENCODING), ``sys.path`` from PYTHONPATH,
+what is imported before tfcli, torch's probes for optional packages as it is imported (a
+planted triton.py), a process that must fail to import torch. Those start ``python`` itself.
 """
 
 from __future__ import annotations
