@@ -840,15 +840,9 @@ _TRACED_FILES: dict[str, list[str]] = {}
 _HEAVY_FILES: dict[str, list[str]] = {}
 
 
-def plan_lines(plan: dict) -> dict[str, int]:
-    """A plan's lines as --json has them (Plan.to_dict): name -> bytes."""
-    return {line["name"]: line["bytes"] for line in plan["memory"]}
-
-
 @pytest.fixture(scope="module")
 def traced_fsdp(fake_world):
-    return {"files": _TRACED_FILES, "heavy": _HEAVY_FILES, "measured": fake_world["traced"],
-            "plans": fake_world["traced_plans"]}
+    return {"files": _TRACED_FILES, "heavy": _HEAVY_FILES, "measured": fake_world["traced"]}
 
 
 @script("traced")
@@ -900,49 +894,6 @@ def _traced_script() -> str:
         """)
 
 
-@script("traced_plans")
-def _traced_plans_script() -> str:
-    """tfcli's per-rank plans (TracedModel) for every case the traced script measures, as
-    --json has them (Plan.to_dict): computed in the same job's interpreter, beside torch's
-    figures, so that the tests reading both compare them at the end of the session instead of
-    replaying each model there (~10 s the tests' own thread spent while the machine's other
-    core had nothing left to run)."""
-    cases = {}  # key -> (--model arguments, n, sizes, plan options)
-    for name, args in _TRACED_FILES.items():
-        for n in TRACED_WORLDS:
-            for b, s in TRACED_SIZES:
-                cases[f"{name}/{n}/{b}x{s}"] = (args, n, {"B": b, "S": s, "T": s, "L": s}, {})
-    for name, args in _HEAVY_FILES.items():
-        for precision in HEAVY_PRECISIONS:
-            cases[f"{name}/{precision}"] = (args, 4, {"B": 1, "S": 8, "T": 8, "L": 8}, {
-                "precision": precision or "autocast",
-                "mixed": "bf16" if precision == "autocast" else None})
-    for n, b, s, precision in MIXTRAL_CASES:
-        cases[f"mixtral/{n}/{b}x{s}/{precision}"] = (
-            ["--model", f"hf:{MIXTRAL}"], n, {"B": b, "S": s, "T": s, "L": s},
-            {"precision": precision or "autocast"})
-    for n, b, s in LOSS_PEAK_CASES:
-        cases[f"loss-peak/{n}/{b}x{s}"] = (["--model", f"hf:{LOSS_PEAK}"], n,
-                                          {"B": b, "S": s, "T": s, "L": s}, {})
-    for n, b, s in TUTORIAL_CASES:
-        cases[f"tutorial/{n}/{b}x{s}"] = (TUTORIAL, n, {"B": b, "S": s, "T": s, "L": s}, {})
-    return textwrap.dedent(f"""
-        import json, warnings
-        warnings.simplefilter("ignore")
-        from tfcli.parallel.layout import Parallel
-        from tfcli.parallel.traced import TracedModel
-        from tfcli.subjects import resolve_subject
-        models, out = {{}}, {{}}
-        for key, (args, n, sizes, options) in {cases!r}.items():
-            if tuple(args) not in models:
-                models[tuple(args)] = TracedModel(resolve_subject(
-                    model=args[1], inputs=args[3::2] or None))
-            out[key] = models[tuple(args)].plan(Parallel(dp=n, zero=3), sizes,
-                                                **options).to_dict()
-        print(json.dumps(out))
-        """)
-
-
 @pytest.fixture(scope="module")
 def traced_models(traced_fsdp):
     from tfcli.parallel.traced import TracedModel
@@ -953,15 +904,16 @@ def traced_models(traced_fsdp):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "gpt2", "user"])
 @pytest.mark.parametrize("n", TRACED_WORLDS)
 @pytest.mark.parametrize("b,s", TRACED_SIZES)
-def test_traced_fsdp_plan_agrees_with_fsdp_mem_tracker(traced_fsdp, name, n, b, s):
+def test_traced_fsdp_plan_agrees_with_fsdp_mem_tracker(traced_fsdp, traced_models, name, n,
+                                                       b, s):
     """Every line of the traced plan within 5 % of torch's FSDPMemTracker figure for it, and
     the peak within 5 % of the tracker's peak. The tracker's per-category figures: after
     backward (every sharded gradient present), at its peak, and the largest any FSDP module's
     snapshot saw (buffers that live between hooks)."""
     measured = traced_fsdp["measured"][f"{name}/{n}/{b}x{s}"]
     after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
-    p = traced_fsdp["plans"][f"{name}/{n}/{b}x{s}"]  # TracedModel(...).plan(dp=n, zero=3)
-    lines = plan_lines(p)
+    p = traced_models[name].plan(Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s})
+    lines = {line.name: line.bytes for line in p.lines}
     pairs = [("weights", after["Sharded Param"]), ("gradients", after["Sharded Grad"]),
              ("optimizer state", after["OptState"]),  # + Adam's step counters (4 B each)
              ("unsharded parameters", largest["Unsharded Param"]),
@@ -974,7 +926,7 @@ def test_traced_fsdp_plan_agrees_with_fsdp_mem_tracker(traced_fsdp, name, n, b, 
         pairs.append(("buffers", after["Buffer"]))  # rotary inv_freq, GPT-2's none
     for line, value in pairs:  # a line the plan leaves out holds nothing (GPT-2: no buffers)
         assert lines.get(line, 0) == pytest.approx(value, rel=0.05), (line, lines.get(line), value)
-    assert p["peak"]["bytes"] == pytest.approx(peak["Total"], rel=0.01), p["peak"]
+    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.01), p.peak.moments
     if name == "user":  # a frozen Linear outside the blocks: weights, no gradient
         assert lines["gradients"] < lines["weights"]
 
@@ -990,11 +942,16 @@ def test_traced_fsdp_peak_with_a_heavy_root_agrees_with_fsdp_mem_tracker(traced_
     last. Under fp32, autocast and FSDP2's MixedPrecisionPolicy (bf16 gathers and gradients,
     fp32 reduce-scatter): the peak within 1 % of FSDPMemTracker's, the reduce-scatter buffer
     (the root's copy) within 5 % of the largest it saw."""
+    from tfcli.parallel.traced import TracedModel
+
     measured = traced_fsdp["measured"][f"{name}/{precision}"]
-    # TracedModel(...).plan(dp=4, zero=3) at B = 1, L = 8 under the precision
-    p = traced_fsdp["plans"][f"{name}/{precision}"]
-    assert p["peak"]["bytes"] == pytest.approx(measured["peak"]["Total"], rel=0.01), p["peak"]
-    assert plan_lines(p)["reduce-scatter buffer"] == pytest.approx(
+    subject = _subject(traced_fsdp["heavy"][name])
+    p = TracedModel(subject).plan(Parallel(dp=4, zero=3), {"B": 1, "S": 8, "T": 8, "L": 8},
+                                  precision=precision or "autocast",
+                                  mixed="bf16" if precision == "autocast" else None)
+    lines = {line.name: line.bytes for line in p.lines}
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
+    assert lines["reduce-scatter buffer"] == pytest.approx(
         measured["largest"]["Reduce Scatter"], rel=0.05)
 
 
@@ -1002,9 +959,13 @@ def test_traced_fsdp_peak_with_a_heavy_root_agrees_with_fsdp_mem_tracker(traced_
 def test_traced_fsdp_peak_of_a_two_layer_moe_model(traced_fsdp, n, b, s, precision):
     """Transformers' Mixtral, two layers of eight experts: the peak within 1 % of
     FSDPMemTracker's, inside a layer's backward."""
+    from tfcli.parallel.traced import TracedModel
+
     measured = traced_fsdp["measured"][f"mixtral/{n}/{b}x{s}/{precision}"]
-    p = traced_fsdp["plans"][f"mixtral/{n}/{b}x{s}/{precision}"]  # TracedModel(...).plan
-    assert p["peak"]["bytes"] == pytest.approx(measured["peak"]["Total"], rel=0.01), p["peak"]
+    p = TracedModel(_subject(["--model", f"hf:{MIXTRAL}"])).plan(
+        Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s},
+        precision=precision or "autocast")
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
 @pytest.mark.parametrize("n,b,s", LOSS_PEAK_CASES)
@@ -1012,10 +973,13 @@ def test_traced_fsdp_peak_in_the_loss_backward(traced_fsdp, n, b, s):
     """Where the loss's backward is the peak (the model's own cross-entropy over many tokens'
     logits), FSDP2 still holds the last layer unit's all-gather output from forward: the peak
     within 1 % of FSDPMemTracker's (5.9 % under it at N = 8 before that buffer was counted)."""
+    from tfcli.parallel.traced import TracedModel
+
     measured = traced_fsdp["measured"][f"loss-peak/{n}/{b}x{s}"]
-    p = traced_fsdp["plans"][f"loss-peak/{n}/{b}x{s}"]  # TracedModel(...).plan(dp=n, zero=3)
-    assert p["peak"]["moment"] == "loss backward", p["peak"]
-    assert p["peak"]["bytes"] == pytest.approx(measured["peak"]["Total"], rel=0.01), p["peak"]
+    p = TracedModel(_subject(["--model", f"hf:{LOSS_PEAK}"])).plan(
+        Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s})
+    assert p.peak.moment == "loss backward", p.peak.moments
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
 @pytest.mark.parametrize("n,b,s", TUTORIAL_CASES)
@@ -1024,9 +988,12 @@ def test_traced_fsdp_peak_of_a_user_encoder_decoder(traced_fsdp, n, b, s):
     root before the first unit is gathered, and what it saved is alive as the root's
     all-gather peaks. The peak within 1 % of FSDPMemTracker's (4.1 % under it at N = 8
     before the encoder's activations were counted there)."""
+    from tfcli.parallel.traced import TracedModel
+
     measured = traced_fsdp["measured"][f"tutorial/{n}/{b}x{s}"]
-    p = traced_fsdp["plans"][f"tutorial/{n}/{b}x{s}"]  # TracedModel(...).plan(dp=n, zero=3)
-    assert p["peak"]["bytes"] == pytest.approx(measured["peak"]["Total"], rel=0.01), p["peak"]
+    p = TracedModel(_subject(TUTORIAL)).plan(Parallel(dp=n, zero=3),
+                                             {"B": b, "S": s, "T": s, "L": s})
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
 LLAMA_TINY = str(Path(__file__).resolve().parents[1] / "examples" / "llama-tiny")

@@ -7,11 +7,9 @@ apply_tensor_parallelism for the parameters a rank holds."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
-from fake_world import script
 from tfcli.errors import TfcliError
 from tfcli.parallel.layout import Parallel
 
@@ -70,9 +68,11 @@ CASES = [("llama", 1, 2), ("llama", 1, 4), ("qwen2", 1, 2), ("qwen2", 1, 4), ("u
          ("llama", 2, 2)]
 
 
-def _write_models(where) -> dict[str, list[str]]:
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory) -> dict[str, list[str]]:
     """The --model arguments of a tiny Transformers Llama and Qwen2 (config.json files) and
-    of the user's module (with its --tp-plan), written to ``where``."""
+    of the user's module (with its --tp-plan), written to a temporary folder."""
+    where = tmp_path_factory.mktemp("tp")
     for name in ("llama", "qwen2"):
         (where / f"{name}.json").write_text(json.dumps({"model_type": name, **COMMON}))
     (where / "net.py").write_text(USER_MODULE)
@@ -81,11 +81,6 @@ def _write_models(where) -> dict[str, list[str]]:
             "user": ["--model", f"{where / 'net.py'}:build", "--input", "x=float32[B,L,16]",
                      "--tp-plan", USER_PLAN],
             "where": [str(where)]}
-
-
-@pytest.fixture(scope="module")
-def tp_models(tmp_path_factory) -> dict[str, list[str]]:
-    return _write_models(tmp_path_factory.mktemp("tp"))
 
 
 def _subject(args: list[str]):
@@ -98,50 +93,27 @@ def _tp_plan(args: list[str]) -> str | None:
     return args[5] if len(args) > 4 else None
 
 
-def _sizes(name: str) -> dict[str, int]:
-    return {k: v for k, v in SIZES.items() if k in ("B", "L") or name != "user"}
-
-
-@script("tp_tracked")
-def _tp_tracked_script() -> str:
-    """For each case, torch's tracker's figures (tfcli.parallel.measure.tp_fake_memory_subject,
-    one fake process group at a time) and tfcli's plan as --json has it (Plan.to_dict), in the
-    fake-world job (tests/fake_world.py), with the models written to a folder of its own."""
-    import atexit
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    where = Path(tempfile.mkdtemp(prefix="tfcli-tp-"))
-    atexit.register(shutil.rmtree, where, True)
-    models = _write_models(where)
-    cases = {f"{name}/{dp}/{t}": (models[name], dp, t, _sizes(name)) for name, dp, t in CASES}
-    return textwrap.dedent(f"""
-        import json, warnings
-        warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # the view the model returns
-        from tfcli.parallel.layout import Parallel
-        from tfcli.parallel.measure import tp_fake_memory_subject
-        from tfcli.parallel.tensor import TensorParallelModel
-        from tfcli.subjects import resolve_subject
-        out = {{}}
-        for key, (args, dp, t, sizes) in {cases!r}.items():
-            subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
-            tp_plan = args[5] if len(args) > 4 else None
-            par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
-            out[key] = {{"measured": tp_fake_memory_subject(subject, t, sizes, tp_plan, dp=dp),
-                        "plan": TensorParallelModel(subject, None, par, tp_plan).plan(
-                            par, sizes).to_dict()}}
-        print(json.dumps(out))
-        """)
-
-
 @pytest.fixture(scope="module")
-def tracked(fake_world) -> dict:
-    """(torch's tracker's figures, tfcli's plan as --json has it) for each case, at SIZES: the
-    tp_tracked script's."""
-    return {(name, dp, t): (fake_world["tp_tracked"][f"{name}/{dp}/{t}"]["measured"],
-                            fake_world["tp_tracked"][f"{name}/{dp}/{t}"]["plan"])
-            for name, dp, t in CASES}
+def tracked(tp_models) -> dict:
+    """torch's tracker's figures and tfcli's plan for each case, at SIZES (one in-process fake
+    process group at a time)."""
+    from tfcli.parallel.measure import tp_fake_memory_subject
+    from tfcli.parallel.tensor import TensorParallelModel
+
+    import warnings
+
+    out = {}
+    for name, dp, t in CASES:
+        args = tp_models[name]
+        subject = _subject(args)
+        par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
+        sizes = {k: v for k, v in SIZES.items() if k in ("B", "L") or name != "user"}
+        with warnings.catch_warnings():  # FSDP2's advice about the view the model returns
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+            measured = tp_fake_memory_subject(subject, t, sizes, _tp_plan(args), dp=dp)
+        plan = TensorParallelModel(subject, None, par, _tp_plan(args)).plan(par, sizes)
+        out[name, dp, t] = measured, plan
+    return out
 
 
 @pytest.mark.parametrize("name,dp,t", CASES)
@@ -153,7 +125,7 @@ def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
     backward's temporaries and gradients in flight)."""
     measured, p = tracked[name, dp, t]
     after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
-    lines = {line["name"]: line["bytes"] for line in p["memory"]}
+    lines = {line.name: line.bytes for line in p.lines}
     if dp == 1:
         pairs = [("weights", after["Parameter"]), ("gradients", after["Gradient"]),
                  ("optimizer state", after["Optstate"])]  # + Adam's step counters
@@ -168,13 +140,12 @@ def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
     pairs += [("buffers", after["Buffer"]),  # rotary inv_freq; the user's module has none
               ("activations: layers", sum(measured["units"])),
               ("activations", others)]
-    lines["activations"] = sum(line["bytes"] for line in p["memory"]
-                               if line["kind"] == "activations")
+    lines["activations"] = sum(line.bytes for line in p.lines if line.kind == "activations")
     for line, value in pairs:
         assert lines.get(line, 0) == pytest.approx(value, rel=0.05), (line, lines.get(line),
                                                                        value)
-    assert p["peak"]["bytes"] == pytest.approx(peak["Total"], rel=0.05), p["peak"]["moments"]
-    assert p["conditions"]["tensor_parallel"]["tp"] == t and p["parallel"]["sp"] is False
+    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.05), p.peak.moments
+    assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is False
 
 
 def test_an_untied_vocabulary_parallel_embedding_keeps_a_whole_gradient(tracked):
@@ -182,12 +153,12 @@ def test_an_untied_vocabulary_parallel_embedding_keeps_a_whole_gradient(tracked)
     rule for the backward): the plan's gradients exceed the weights by half the embedding at
     tp = 2, as the tracker's do."""
     measured, p = tracked["llama", 1, 2]
-    lines = {line["name"]: line for line in p["memory"]}
+    lines = {line.name: line for line in p.lines}
     embedding = COMMON["vocab_size"] * COMMON["hidden_size"]
-    assert lines["gradients"]["bytes"] - lines["weights"]["bytes"] == 4 * embedding // 2
+    assert lines["gradients"].bytes - lines["weights"].bytes == 4 * embedding // 2
     assert measured["after_backward"]["Gradient"] - measured["after_backward"]["Parameter"] \
         == 4 * embedding // 2
-    assert "model.embed_tokens.weight: 128×64 (its shard 64×64)" in lines["gradients"]["how"]
+    assert "model.embed_tokens.weight: 128×64 (its shard 64×64)" in lines["gradients"].how
 
 
 @pytest.mark.parametrize("name,t", [("llama", 4), ("qwen2", 2)])
@@ -203,9 +174,8 @@ def test_a_ranks_parameters_equal_transformers_own_split(tracked, tp_models, nam
         model = subject.build("cpu")
         apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(dict(model.tp_plan)))
         local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
-    weights = next(line for line in tracked[name, 1, t][1]["memory"]
-                   if line["name"] == "weights")
-    assert weights["bytes"] == 4 * local
+    weights = next(line for line in tracked[name, 1, t][1].lines if line.name == "weights")
+    assert weights.bytes == 4 * local
 
 
 def test_params_tp_for_a_user_module(cli, tp_models):
