@@ -3,8 +3,9 @@
 :func:`fsdp_fake_memory` shards tfcli's model with FSDP2 ``fully_shard`` (one unit per layer and
 the root) on torch.distributed's fake process group — a world of N ranks in one process, whose
 collectives do nothing — and runs training steps under FakeTensorMode (no memory is
-allocated; the optimizer's first step, then one measured step at each size asked) inside ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts
-every live tensor into sharded/unsharded parameters, gradients, optimizer state, activations,
+allocated; the optimizer's first step, then one measured step at each size asked) inside
+``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts every live tensor
+into sharded/unsharded parameters, gradients, optimizer state, activations,
 temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
 the same for tensor parallelism (``parallelize_module``) with torch's ``MemTracker``. These are
 torch's figures, not tfcli's: the tests hold :mod:`tfcli.parallel.plan` to them.
