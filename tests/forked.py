@@ -111,6 +111,8 @@ conn.connect(address)
 limits = {name: resource.getrlimit(getattr(resource, name))
           for name in ("RLIMIT_AS", "RLIMIT_FSIZE")}
 signals = {"SIGXFSZ": "SIG_IGN"} if signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN else {}
+# SIGHUP as this process has it (ignored under nohup), not as the server does
+signals["SIGHUP"] = "SIG_IGN" if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else "SIG_DFL"
 request = {"how": how, "what": what, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
            "streams": streams, "limits": limits, "signals": signals}
 socket.send_fds(conn, [json.dumps(request).encode()], streams)

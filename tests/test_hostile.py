@@ -727,10 +727,16 @@ def _sweep(where: Path, script: str | None = None) -> subprocess.Popen:
     (where / "out.csv").write_bytes(PRECIOUS["out.csv"])
     command = forked.command("-c", script, *SWEEP) if script else \
         forked.command("-m", "tfcli", *SWEEP)
+
+    def started() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+        # as from a terminal, whatever the session has (under nohup SIGHUP is ignored, and
+        # tfcli keeps it so: the hang-up case would then test nohup)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
     return background.popen(
         command, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**background.session_env(), "COLUMNS": "100"},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS)))
+        env={**background.session_env(), "COLUMNS": "100"}, preexec_fn=started)
 
 
 def _stop(script: str | None, drive) -> Stopped:
