@@ -44,6 +44,19 @@ def _by_name(snapshot: dict) -> dict[str, int]:
     return {getattr(k, "value", k): int(v) for k, v in per_device.items()}
 
 
+def _largest(tracker) -> dict[str, int]:
+    """Each category's largest figure in any module's snapshots since the tracker's module
+    stats were last reset (before and after each forward and backward hook, and each module's
+    peak): a buffer that lives between the hooks is seen even where the peak is elsewhere."""
+    largest: dict[str, int] = {}
+    for stats in tracker.memory_tracking.values():
+        for snaps in getattr(stats, "snapshots", {}).values():
+            for snap in snaps:
+                for name, value in _by_name(snap).items():
+                    largest[name] = max(largest.get(name, 0), value)
+    return largest
+
+
 def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
                      reshard_after_forward: bool = True) -> list[dict[str, dict]]:
     """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks, at each (batch, length)
@@ -147,17 +160,7 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
                         if not measured:
                             tracker.reset_mod_stats()
                     snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
-                    # each category's largest figure in any FSDP module's snapshots of the
-                    # measured step (before and after each forward and backward hook, and each
-                    # module's peak): a buffer that lives between the hooks is seen even where
-                    # the peak is elsewhere
-                    largest: dict[str, int] = {}
-                    for stats in tracker.memory_tracking.values():
-                        for snaps in getattr(stats, "snapshots", {}).values():
-                            for snap in snaps:
-                                for name, value in _by_name(snap).items():
-                                    largest[name] = max(largest.get(name, 0), value)
-                    snapshots["largest"] = largest
+                    snapshots["largest"] = _largest(tracker)
                 tracker.reset_mod_stats()
                 out.append(snapshots)
     return out
@@ -272,13 +275,7 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
             step(lambda: snapshots.update(after_backward=_by_name(
                 tracker.get_tracker_snapshot())))
         snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
-        largest: dict[str, int] = {}
-        for stats in tracker.memory_tracking.values():
-            for snaps in getattr(stats, "snapshots", {}).values():
-                for snap in snaps:
-                    for name, value in _by_name(snap).items():
-                        largest[name] = max(largest.get(name, 0), value)
-        snapshots["largest"] = largest
+        snapshots["largest"] = _largest(tracker)
 
         def activations(unit, state: str) -> int:
             snaps = {getattr(k, "value", k): v
