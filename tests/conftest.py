@@ -161,6 +161,38 @@ def pytest_sessionfinish(session):
     import background
 
     background.stop()
+    _ENDING["status"] = int(session.exitstatus)
+
+
+# --- the end of the process ---------------------------------------------------------------------
+# After a session the interpreter would spend about 4 s ending itself: a last full garbage
+# collection (pytest's, for unraisable exceptions, over everything a thousand tests left) and
+# the teardown of torch's, Transformers' and the tests' modules. Nothing of it is a check: the
+# session's verdict is decided and printed. So, as tfcli's own commands end
+# (tfcli/cli/process.py), the process ends after the last hook: atexit handlers run (the fork
+# server's folder goes), the streams are flushed, then os._exit with the session's status.
+# Only where pytest is the program (not pytest.main() inside another one).
+
+_ENDING: dict[str, int] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import atexit
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    is_program = (os.path.basename(sys.argv[0]) in ("pytest", "py.test")
+                  or getattr(spec, "name", None) in ("pytest", "pytest.__main__"))
+    if "status" not in _ENDING or not is_program:
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(_ENDING["status"])
 
 
 def pytest_terminal_summary(terminalreporter):
