@@ -427,7 +427,9 @@ def test_a_sweep_on_a_quiet_machine_is_not_flagged():
         pytest.skip("the machine is busy with other work: a quiet sweep cannot be had now")
     sweep = Sweep(tiny_spec(**{**NOISY_SPEC, "min_time": 0.05, "max_time": 0.5}))
     sweep.run()
-    if sweep.machine["end"].get("busy_cpus", 9) < 0.5:
+    # the end's figure is what other processes kept busy over the sweep (machine_state(since=))
+    assert "others_busy_cpus" in sweep.machine["end"], sweep.machine
+    if sweep.machine["end"]["others_busy_cpus"] < 0.5:
         assert not any(r.reliable is False for r in sweep.records), \
             [(r.seq_len, r.unreliable_why) for r in sweep.records]
 
