@@ -22,6 +22,24 @@ from tfcli.cli import app  # noqa: E402
 torch.set_num_threads(1)
 
 
+def _sample_the_machine_briefly() -> None:
+    """bench records what else the machine is doing as a sweep starts: busy CPUs sampled over
+    250 ms of sleep. The figure is only printed (tfcli/render/bench.py), and the tests that
+    read it run tfcli in processes of their own (tests/test_bench.py's busy_sweep and
+    bench_json_run); the sweeps run in this process (and tests/test_readme.py's examples,
+    which import this module) would otherwise sleep about 5 s in all. Here the sample takes
+    10 ms."""
+    import functools
+
+    import tfcli.bench.sweep
+    from tfcli.bench.timer import machine_state
+
+    tfcli.bench.sweep.machine_state = functools.partial(machine_state, window=0.01)
+
+
+_sample_the_machine_briefly()
+
+
 class Result:
     def __init__(self, exit_code: int, stdout: str, stderr: str,
                  exception: BaseException | None) -> None:

@@ -31,14 +31,12 @@ def test_readme_has_examples():
 
 
 def _one_block_per_cell() -> None:
-    """bench as the README runs it, each cell ending after its first timed block of one run and
-    the machine's load sampled over 10 ms instead of 250: these tests check that the examples
-    run and exit 0, not what they measure (tests/test_bench.py holds the timing rules), and the
-    examples' timing loops would otherwise spend most of a minute of CPU."""
-    import functools
-
-    import tfcli.bench.sweep
-    from tfcli.bench.timer import CellTimer, machine_state
+    """bench as the README runs it, each cell ending after its first timed block of one run (and
+    the machine's load sampled over 10 ms instead of 250: tests/conftest.py, imported to run
+    the examples): these tests check that the examples run and exit 0, not what they measure
+    (tests/test_bench.py holds the timing rules), and the examples' timing loops would
+    otherwise spend most of a minute of CPU."""
+    from tfcli.bench.timer import CellTimer
 
     warm_up = CellTimer.warm_up
 
@@ -50,7 +48,6 @@ def _one_block_per_cell() -> None:
     CellTimer.warm_up = one_run_per_block
     CellTimer.spent = property(lambda self: float("inf"))
     CellTimer.reliable = lambda self: True
-    tfcli.bench.sweep.machine_state = functools.partial(machine_state, window=0.01)
 
 
 def _as_in_the_repository(where: Path) -> None:
