@@ -3,6 +3,7 @@ display (depth, collapse), memory lines, and activation estimates against a real
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -22,8 +23,11 @@ from real_steps import real_adamw_step
 PUBLISHED = {"torch-transformer": 44_140_544, "gpt2-small": 124_439_808}
 
 
-def report_for(name: str, **overrides):
-    cfg = get_preset(name).replace(**overrides)
+@functools.lru_cache(maxsize=None)
+def report_for(name: str):
+    """A preset and the parameter report of its model built on meta, built once per preset:
+    the tests only read it (the table's rows at each depth and --expand, 112 cases)."""
+    cfg = get_preset(name)
     return cfg, param_report(build_model(cfg, "meta"))
 
 
