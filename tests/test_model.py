@@ -105,6 +105,32 @@ def test_tied_weights_are_one_parameter():
     assert model.output.weight is model.tgt_embed.token.weight is model.src_embed.token.weight
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "vaswani-base"])
+def test_each_matrix_is_drawn_once_by_xavier(name, monkeypatch):
+    """Building draws every matrix once (xavier), not first with its layer's initialiser
+    (Linear's kaiming, Embedding's normal) and then again; torch.nn.init is as it was
+    afterwards, and the weights are within xavier's bound."""
+    draws = []
+
+    def recording(fn_name):
+        original = getattr(nn.init, fn_name)
+
+        def initialiser(tensor, *args, **kwargs):
+            if tensor.dim() > 1:
+                draws.append(fn_name)
+            return original(tensor, *args, **kwargs)
+        return initialiser
+
+    for fn_name in ("kaiming_uniform_", "normal_", "uniform_", "xavier_uniform_"):
+        monkeypatch.setattr(nn.init, fn_name, recording(fn_name))
+    before = {fn_name: getattr(nn.init, fn_name) for fn_name in ("kaiming_uniform_", "normal_")}
+    model = build_model(get_preset(name), "cpu")
+    assert draws == ["xavier_uniform_"] * len([p for p in model.parameters() if p.dim() > 1])
+    assert all(getattr(nn.init, f) is fn for f, fn in before.items())
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        assert linear.weight.abs().max() <= (6 / sum(linear.weight.shape)) ** 0.5
+
+
 # --- torch.nn.Transformer equivalence ------------------------------------------------------
 
 
