@@ -62,14 +62,32 @@ def job(fixture: str, cost: float) -> Callable:
     return register
 
 
+LANES = 2  # jobs that run at a time
+
+
+def _in_order(fixtures: Iterable[str]) -> list[str]:
+    """The jobs behind ``fixtures``, in the order they start: the longest first."""
+    wanted = set(fixtures)
+    return sorted((name for name in _JOBS if name in wanted), key=lambda name: -_COSTS[name])
+
+
+def expected_ends(fixtures: Iterable[str]) -> dict[str, float]:
+    """When each job behind ``fixtures`` should end, in declared seconds from the start, were
+    they started together (each goes to the first of the two threads that is free)."""
+    lanes, ends = [0.0] * LANES, {}
+    for name in _in_order(fixtures):
+        lane = lanes.index(min(lanes))
+        lanes[lane] += _COSTS[name]
+        ends[name] = lanes[lane]
+    return ends
+
+
 def start(fixtures: Iterable[str]) -> list[str]:
     """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), the longest
     first, two at a time."""
-    wanted = set(fixtures)
-    names = sorted((name for name in _JOBS if name in wanted and name not in _FUTURES),
-                   key=lambda name: -_COSTS[name])
+    names = [name for name in _in_order(fixtures) if name not in _FUTURES]
     if names and not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="background"))
+        _POOL.append(ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="background"))
     for name in names:
         _FUTURES[name] = _POOL[0].submit(_timed, name)
     return names
@@ -81,11 +99,6 @@ def _timed(name: str) -> Any:
         return _JOBS[name]()
     finally:
         _TIMES.setdefault(name, [0.0, 0.0])[0] = time.monotonic() - start
-
-
-def uses_job(fixtures: Iterable[str]) -> bool:
-    """Whether a test with these fixtures reads a job's result."""
-    return any(name in _JOBS for name in fixtures)
 
 
 def result(fixture: str) -> Any:

@@ -153,13 +153,18 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(session, config, items):
     """Tests that need a quiet machine run first, before any background job starts; tests
     that read a background job's result run last, when the jobs have had the whole session
-    to finish beside the in-process tests. The order is otherwise kept."""
+    to finish beside the in-process tests, in the order their jobs should end (by the
+    seconds the jobs declare): the readers of a job done long ago do their own work while
+    the last jobs finish, instead of after them. The order is otherwise kept."""
     import background
 
-    def place(item) -> int:
+    ends = background.expected_ends(name for item in items for name in item.fixturenames)
+
+    def place(item) -> tuple[int, float]:
         if item.get_closest_marker("quiet") is not None:
-            return 0
-        return 2 if background.uses_job(item.fixturenames) else 1
+            return 0, 0.0
+        jobs = [ends[name] for name in item.fixturenames if name in ends]
+        return (2, max(jobs)) if jobs else (1, 0.0)
 
     items.sort(key=place)  # stable
 

@@ -184,7 +184,7 @@ def bench_json_run():
     return background.result("bench_json_run")
 
 
-@background.job("bench_json_run", cost=5)
+@background.job("bench_json_run", cost=1.7)
 def _bench_json_run() -> tuple[subprocess.CompletedProcess, bytes, list[str]]:
     """``bench --json --plot --profile`` as the console script in a directory of its own
     (profiling and plotting take seconds): its output, the plot's first bytes and the traces'

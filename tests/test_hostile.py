@@ -583,7 +583,7 @@ def outcomes():
     return background.result("outcomes")
 
 
-@background.job("outcomes", cost=20)
+@background.job("outcomes", cost=11)
 def _outcomes() -> dict:
     """The cases that need a process of their own, one after another in the background job
     queue (tests/background.py), each in a directory of its own."""
@@ -761,7 +761,7 @@ def signalled():
     return background.result("signalled")
 
 
-@background.job("signalled", cost=19)
+@background.job("signalled", cost=6)
 def _signalled() -> dict[str, Stopped]:
     """Every signalled sweep, one after another in the background job queue."""
     return {name: _stop(*how) for name, how in SIGNALLED.items()}
@@ -838,7 +838,7 @@ def rank_alone():
     return background.result("rank_alone")
 
 
-@background.job("rank_alone", cost=2)
+@background.job("rank_alone", cost=1.4)
 def _rank_alone() -> tuple[int, str]:
     """bench with torchrun's variables and no peer, sent SIGTERM once it waits at the
     rendezvous, in a directory of its own: its exit code and stderr."""
@@ -985,7 +985,7 @@ def profile_signalled():
     return background.result("profile_signalled")
 
 
-@background.job("profile_signalled", cost=7)
+@background.job("profile_signalled", cost=1.4)
 def _profile_signalled() -> dict:
     out = {}
     for signals in ("SIGINT", "SIGINT,SIGTERM"):

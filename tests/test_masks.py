@@ -358,7 +358,7 @@ def huge():
     return background.result("huge")
 
 
-@background.job("huge", cost=7)
+@background.job("huge", cost=1.1)
 def _huge() -> dict:
     """The huge-length runs, each a process of its own (tests/background.py: beside the
     in-process tests): the grids by preset, and the JSON."""

@@ -29,7 +29,7 @@ def rank_scenarios():
     return background.result("rank_scenarios")
 
 
-@background.job("rank_scenarios", cost=17)
+@background.job("rank_scenarios", cost=15)
 def _rank_scenarios() -> dict:
     """Ranks that fail, hang, stop or lose their launcher (tests/rank_scenarios.py): real ranks
     that spend most of their time waiting, in one process beside the in-process tests."""
@@ -50,7 +50,7 @@ def torchrun():
     return background.result("torchrun")
 
 
-@background.job("torchrun", cost=8)
+@background.job("torchrun", cost=5)
 def _torchrun() -> tuple[subprocess.CompletedProcess, str, list[str]]:
     """``torchrun --nproc-per-node 2 -m tfcli bench`` in a directory of its own: what it
     printed, the CSV it wrote, and the names of every file the directory held after it."""

@@ -94,7 +94,7 @@ def readme_runs():
     return background.result("readme_runs")
 
 
-@background.job("readme_runs", cost=53)
+@background.job("readme_runs", cost=44)
 def _readme_runs() -> dict[str, list]:
     done = background.run([sys.executable, __file__], 600, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)

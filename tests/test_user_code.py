@@ -407,7 +407,7 @@ def user_code_processes():
     return background.result("user_code_processes")
 
 
-@background.job("user_code_processes", cost=15)
+@background.job("user_code_processes", cost=8)
 def _processes() -> dict:
     """Every process case, one after another, each in a directory of its own."""
     out = {}
@@ -465,7 +465,7 @@ def left_open():
     return background.result("left_open")
 
 
-@background.job("left_open", cost=1)
+@background.job("left_open", cost=0.4)
 def _left_open() -> dict:
     with tempfile.TemporaryDirectory(prefix="tfcli-left-open-") as where:
         (Path(where) / "m.py").write_text(LEFT_OPEN)
@@ -541,7 +541,7 @@ def interpreter_gone():
     return background.result("interpreter_gone")
 
 
-@background.job("interpreter_gone", cost=0.3)
+@background.job("interpreter_gone", cost=0.4)
 def _interpreter_gone() -> dict:
     out = {}
     env = {k: v for k, v in background.session_env().items() if k != "PYTHONFAULTHANDLER"}

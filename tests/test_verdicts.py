@@ -333,7 +333,7 @@ def raw_writer_run():
     return background.result("raw_writer_run")
 
 
-@background.job("raw_writer_run", cost=4)
+@background.job("raw_writer_run", cost=0.5)
 def _raw_writer_run():
     """``masks --check --json`` on RAW_WRITER, as the console script in a directory of its
     own."""
