@@ -1,26 +1,27 @@
 """The checks that run torch.distributed in one process — its fake process group (a world of N
 ranks in one process, whose collectives do nothing) and DDP's one-rank gloo group — in one
-fresh interpreter, as one background job (tests/background.py).
+process of their own, as one background job (tests/background.py).
 
 Each such check is a script that a test module registers with :func:`script`; it prints one
 JSON line. The job runs every registered script in turn, each as a script of its own (its own
 namespace, its stdout captured), under an address-space limit and a timeout, and the
-``fake_world`` fixture (tests/conftest.py) hands the tests each script's JSON by name. One interpreter, not one per
-script: an interpreter that has imported torch, its distributed package and Transformers has
-spent about 3 s of CPU before it measures anything. A script leaves no process group behind
-(the next one starts its own); the interpreter ends with ``os._exit``, past gloo's native
-teardown, which can abort a loaded machine's exit."""
+``fake_world`` fixture (tests/conftest.py) hands the tests each script's JSON by name. One
+process, not one per script, and forked from one that has imported torch (tests/forked.py):
+an interpreter that has imported torch, its distributed package and Transformers has spent
+about 3 s of CPU before it measures anything. A script leaves no process group behind (the
+next one starts its own); the process ends with ``os._exit``, past gloo's native teardown,
+which can abort a loaded machine's exit."""
 
 from __future__ import annotations
 
 import json
 import resource
 import subprocess
-import sys
 import textwrap
 from typing import Callable
 
 import background
+import forked
 
 GIB = 2**30
 _SCRIPTS: dict[str, Callable[[], str]] = {}  # name -> what writes the script, in turn
@@ -55,7 +56,7 @@ def _fake_world() -> dict:
         sys.stdout.flush()
         os._exit(0)
         """)
-    done = background.run([sys.executable, "-c", runner], 600, stdout=subprocess.PIPE,
+    done = background.run(forked.command("-c", runner), 600, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, preexec_fn=_limited)
     assert done.returncode == 0, done.stderr[-3000:]
     out = {}

@@ -2,10 +2,11 @@
 are shown in ```console blocks instead, which this test leaves out).
 
 The examples are whole models (GPT-2 small built and run, the paper's big model and Llama 3 8B
-replayed): they run one after another in an interpreter of their own, as tests/conftest.py's
-runner runs tfcli (the console script's way, in that process), as a job beside the in-process
-tests (tests/background.py); each example's test reads its exit code and stderr. ``python
-tests/test_readme.py`` runs them and prints what each did."""
+replayed): they run one after another in a process of their own (forked from one that has
+imported torch: tests/forked.py), as tests/conftest.py's runner runs tfcli (the console
+script's way, in that process), as a job beside the in-process tests (tests/background.py);
+each example's test reads its exit code and stderr. ``python tests/test_readme.py`` runs them
+and prints what each did."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import background
+import forked
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
@@ -94,10 +95,15 @@ def readme_runs():
     return background.result("readme_runs")
 
 
-@background.job("readme_runs", cost=44)
+# this file as a script, in a process forked from one that has imported torch (tests/forked.py)
+_AS_SCRIPT = ("import runpy, sys; sys.path.insert(0, sys.argv[1].rpartition('/')[0]); "
+              "runpy.run_path(sys.argv[1], run_name='__main__')")
+
+
+@background.job("readme_runs", cost=41)
 def _readme_runs() -> dict[str, list]:
-    done = background.run([sys.executable, __file__], 600, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+    done = background.run(forked.command("-c", _AS_SCRIPT, __file__), 600,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
