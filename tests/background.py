@@ -6,9 +6,10 @@ signal. Run where their tests stand, the suite would wait for each in turn with 
 machine's two cores idle. Instead each is a *job*, registered (at import) under the name of
 the fixture that hands its result to the tests. When the session starts, the jobs that some
 selected test needs start in two background threads, while the in-process tests run in the
-main one; the tests that read a job's result run last (tests/conftest.py orders them), and
-the fixture waits for its job if it is still running. A job that raises makes its fixture
-raise, so its tests fail; none is skipped.
+main one; the tests that read a job's result run last, in the order their jobs should end
+(tests/conftest.py orders them, by expected_ends), and the fixture waits for its job if it
+is still running. A job that raises makes its fixture raise, so its tests fail; none is
+skipped.
 
 Two jobs run at a time, the longest first (each job declares about how long it runs on a
 quiet machine: longest first keeps the two threads finishing together), so that a job that
