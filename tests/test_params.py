@@ -549,6 +549,39 @@ def test_inference_kv_cache(cli, preset, gib):
     assert "gradients" not in lines
 
 
+# tfcli's own layouts at five layers per stack, narrowed: the encoder-decoder (sinusoidal,
+# post-norm), GPT-2 (learned positions, tied head), Llama (rotary, grouped K/V, RMSNorm, gated
+# FFN), Mistral (a window shorter than the prompt), BERT (encoder-only)
+NARROW = dict(d_model=64, n_heads=4, d_ff=128, max_seq_len=64)
+DEEP_FORWARDS = {
+    "tiny": dict(n_encoder_layers=5, n_decoder_layers=5),
+    "gpt2-small": dict(n_decoder_layers=5, tgt_vocab_size=100, **NARROW),
+    "llama-2-7b": dict(n_decoder_layers=5, tgt_vocab_size=100, n_kv_heads=2, head_dim=None,
+                       **NARROW),
+    "mistral-7b": dict(n_decoder_layers=5, tgt_vocab_size=100, n_kv_heads=2, head_dim=None,
+                       attention_window=8, **NARROW),
+    "bert-base": dict(n_encoder_layers=5, src_vocab_size=100, **NARROW),
+}
+
+
+@pytest.mark.parametrize("name", DEEP_FORWARDS)
+@pytest.mark.parametrize("length,kernel,dtype", [(16, "auto", "fp32"), (1, "math", "bf16")])
+def test_the_inference_replay_at_two_layers_is_the_full_depths_to_the_byte(name, length,
+                                                                           kernel, dtype):
+    """`params --inference` replays tfcli's own model at two layers per stack: a no-grad
+    forward's peak does not grow with depth. Held to the replay at full depth, at a prefill
+    and a one-token length; one layer would not do (the first starts from the embeddings)."""
+    from tfcli.inspection.memory import _replay_forward, estimate_forward_peak, shallow_forward
+
+    cfg = get_preset(name).replace(**DEEP_FORWARDS[name])
+    sizes = {"B": 2, "S": 16 if cfg.has_encoder and cfg.has_decoder else length, "T": length,
+             "L": length}
+    answer = estimate_forward_peak(OwnSubject(cfg), sizes, dtype, kernel)
+    shallow = shallow_forward(cfg)
+    assert max(shallow.n_encoder_layers, shallow.n_decoder_layers) == 2
+    assert answer == _replay_forward(OwnSubject(cfg), sizes, dtype, kernel)
+
+
 @pytest.mark.parametrize("args,words", [
     (["--keep-grads"], "--keep-grads applies"),
     (["--device", "cuda"], "add --seq-len"),

@@ -930,9 +930,33 @@ def _replay_step(subject, sizes, dtype, mixed, optimizer, kernel, keep_grads,
 
 def estimate_forward_peak(subject, sizes: dict[str, int], dtype: str, kernel: str = "auto",
                           on_op: Callable | None = None) -> int:
+    """Peak bytes above weights and inputs of one eval forward (no grad) of ``subject`` at
+    ``sizes``; ``on_op`` sees each operation (simulate_forward). tfcli's own model is replayed
+    at two layers per stack at most (shallow_forward)."""
     if on_op is None and _remembers(subject):
-        return _own_replay("forward", subject.cfg, _key(sizes), dtype, kernel=kernel)
+        return _own_replay("forward", shallow_forward(subject.cfg), _key(sizes), dtype,
+                           kernel=kernel)
     return _replay_forward(subject, sizes, dtype, kernel, on_op)
+
+
+FORWARD_LAYERS = 2
+FORWARD_LAYERS_WORDS = (f"at {FORWARD_LAYERS} layers per stack: with no grad the peak does "
+                        f"not grow with depth")
+
+
+def shallow_forward(cfg):
+    """The configuration whose no-grad forward has the same peak as ``cfg``'s: at most
+    FORWARD_LAYERS layers per stack. Under no grad a layer's inputs and temporaries are gone
+    once the next layer has its input, and from the second layer on each starts from the same
+    tensors (its input, the masks, the encoder's output), so the peak of a deeper stack is
+    that of two layers: equal to the byte at full depth for every preset, at prefill and
+    decode lengths, fp32 and bf16, fused and materialised attention (tests/test_params.py);
+    one layer is not enough (the first starts from the embeddings' output)."""
+    enc = min(cfg.n_encoder_layers, FORWARD_LAYERS)
+    dec = min(cfg.n_decoder_layers, FORWARD_LAYERS)
+    if (enc, dec) == (cfg.n_encoder_layers, cfg.n_decoder_layers):
+        return cfg
+    return cfg.replace(n_encoder_layers=enc, n_decoder_layers=dec)
 
 
 def _replay_forward(subject, sizes, dtype, kernel, on_op=None):
@@ -1018,9 +1042,11 @@ def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
     lines = [MemoryLine("KV cache", cache.elements * kv_bytes,
                         f"{cache.formula} × {kv_bytes} B {kv_dtype}")]
     prefill = estimate_forward_peak(subject, sizes, dtype, kernel)
+    deep = shallow_forward(cfg) is not cfg
     lines.append(MemoryLine("prefill working set", prefill,
                             f"fake-tensor replay of one eval forward of {length} tokens "
-                            f"(B={batch}), no grad: the peak above weights and inputs"))
+                            f"(B={batch}), no grad: the peak above weights and inputs"
+                            + (f" ({FORWARD_LAYERS_WORDS})" if deep else "")))
     one = estimate_forward_peak(subject, {**sizes, "T": 1} if cfg.has_decoder else
                                 {**sizes, "S": 1}, dtype, kernel)
     scores = 0 if kernel in ("flash", "efficient") else \
