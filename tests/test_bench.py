@@ -419,20 +419,31 @@ def test_a_sweep_beside_busy_processes_is_flagged(busy_sweep):
 
 @pytest.mark.quiet
 def test_a_sweep_on_a_quiet_machine_is_not_flagged():
-    """Only meaningful where the machine is quiet: the project's machines are shared, so this
-    checks the verdict only when /proc/stat shows less than half a CPU busy beside the test."""
+    """The reliability rules raise no false alarm on a quiet machine: less than half a CPU
+    busy beside the sweep, as /proc/stat shows it. On a shared virtual machine a neighbour that
+    /proc/stat cannot show still spreads a cell's times now and then (seen: a cell at an IQR of
+    25 % of its median with 0.05 CPUs busy beside it), so the sweep runs up to three times: one
+    quiet sweep with no cell flagged passes, three flagged quiet sweeps fail, and where no
+    sweep was quiet the test is skipped, saying so."""
     from tfcli.bench.timer import machine_state
 
     if machine_state().get("busy_cpus", 9) >= 0.5:
         pytest.skip("the machine is busy with other work: a quiet sweep cannot be had now")
-    sweep = Sweep(tiny_spec(**{**NOISY_SPEC, "min_time": 0.05, "max_time": 0.5}))
-    sweep.run()
-    # the end's figure is what other processes kept busy over the sweep (machine_state(since=))
-    assert "others_busy_cpus" in sweep.machine["end"], sweep.machine
-    if sweep.machine["end"]["others_busy_cpus"] < 0.5:
-        assert not any(r.reliable is False for r in sweep.records), \
-            [(r.seq_len, r.unreliable_why) for r in sweep.records]
-
+    flagged_quiet = []
+    for _ in range(3):
+        sweep = Sweep(tiny_spec(**{**NOISY_SPEC, "min_time": 0.05, "max_time": 0.5}))
+        sweep.run()
+        # the end's figure: what other processes kept busy over the sweep
+        assert "others_busy_cpus" in sweep.machine["end"], sweep.machine
+        if sweep.machine["end"]["others_busy_cpus"] >= 0.5:
+            continue  # not quiet: this sweep says nothing about false alarms
+        cells = [(r.seq_len, r.unreliable_why) for r in sweep.records if r.reliable is False]
+        if not cells:
+            return
+        flagged_quiet.append(cells)
+    if not flagged_quiet:
+        pytest.skip("other processes kept the machine busy through every sweep")
+    pytest.fail(f"every quiet sweep had a cell flagged: {flagged_quiet}")
 
 
 def test_unreliable_cells_get_extra_rounds_up_to_max_time(monkeypatch):
