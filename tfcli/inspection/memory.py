@@ -949,9 +949,10 @@ def shallow_forward(cfg):
     FORWARD_LAYERS layers per stack. Under no grad a layer's inputs and temporaries are gone
     once the next layer has its input, and from the second layer on each starts from the same
     tensors (its input, the masks, the encoder's output), so the peak of a deeper stack is
-    that of two layers: equal to the byte at full depth for every preset, at prefill and
-    decode lengths, fp32 and bf16, fused and materialised attention (tests/test_params.py);
-    one layer is not enough (the first starts from the embeddings' output)."""
+    that of two layers: equal to the byte at full depth for every preset when this was
+    written (prefill and one-token lengths, fp32 and bf16, fused and materialised attention),
+    and held to it by tests/test_params.py on five layouts at five layers; one layer is not
+    enough (the first starts from the embeddings' output)."""
     enc = min(cfg.n_encoder_layers, FORWARD_LAYERS)
     dec = min(cfg.n_decoder_layers, FORWARD_LAYERS)
     if (enc, dec) == (cfg.n_encoder_layers, cfg.n_decoder_layers):
