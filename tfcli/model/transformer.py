@@ -207,24 +207,23 @@ class Stack(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
-_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
-                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+# torch.nn.init's in-place initialisers, as modules call them (``nn.init.trunc_normal_(w)``).
+INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                "kaiming_normal_", "orthogonal_", "sparse_")
 
 
 @contextlib.contextmanager
-def _matrices_left_for_xavier():
-    """While the Transformer's layers are made, torch.nn.init's random initialisers leave
-    every matrix (a tensor of two or more dimensions) as it is: Transformer._reset_parameters
-    draws each one again (xavier), so what the layers drew for them (Linear's kaiming,
-    Embedding's normal) was thrown away: a third of building GPT-2 small on the CPU (1.1-1.2 s
-    of CPU, 0.76-0.91 s without). Vectors keep their draws (Linear's bias bound comes from the
-    weight's shape, not its values). Only tfcli's own model is built here, in one thread."""
+def initialisers_skipping(skip):
+    """While the block runs, torch.nn.init's initialisers return a tensor for which
+    ``skip(tensor)`` holds unchanged; the others they initialise as ever. A module-wide
+    patch: for building a model in one thread."""
     init = nn.init
-    originals = {name: getattr(init, name) for name in _INITIALISERS if hasattr(init, name)}
+    originals = {name: getattr(init, name) for name in INITIALISERS if hasattr(init, name)}
 
     def skipping(original):
         def initialiser(tensor, *args, **kwargs):
-            return tensor if tensor.dim() > 1 else original(tensor, *args, **kwargs)
+            return tensor if skip(tensor) else original(tensor, *args, **kwargs)
         return initialiser
 
     try:
@@ -234,6 +233,15 @@ def _matrices_left_for_xavier():
     finally:
         for name, original in originals.items():
             setattr(init, name, original)
+
+
+def _matrices_left_for_xavier():
+    """While the Transformer's layers are made, every matrix (a tensor of two or more
+    dimensions) is left as it is: Transformer._reset_parameters draws each one again (xavier),
+    so what the layers drew for them (Linear's kaiming, Embedding's normal) was thrown away: a
+    third of building GPT-2 small on the CPU (1.1-1.2 s of CPU, 0.76-0.91 s without). Vectors
+    keep their draws (Linear's bias bound comes from the weight's shape, not its values)."""
+    return initialisers_skipping(lambda tensor: tensor.dim() > 1)
 
 
 class Transformer(nn.Module):

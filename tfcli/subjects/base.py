@@ -572,13 +572,6 @@ def fake_mode_active() -> bool:
     return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
-# torch.nn.init's in-place initialisers, as modules call them (``nn.init.trunc_normal_(w)``).
-INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
-                "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
-                "kaiming_normal_", "orthogonal_", "sparse_")
-
-
-@contextlib.contextmanager
 def fake_initialisers(on_meta: bool = False):
     """Under fake tensors (and, with ``on_meta``, for a build on meta), torch.nn.init's
     initialisers return a fake or meta tensor unchanged: there is no value to set, and some
@@ -587,27 +580,13 @@ def fake_initialisers(on_meta: bool = False):
     about two thirds of building a deep Transformers model there. Elsewhere nothing
     changes."""
     if not (on_meta or fake_mode_active()):
-        yield
-        return
+        return contextlib.nullcontext()
     from torch._subclasses.fake_tensor import is_fake
 
-    init = torch.nn.init
-    originals = {name: getattr(init, name) for name in INITIALISERS if hasattr(init, name)}
+    from tfcli.model.transformer import initialisers_skipping
 
-    def skipping(original):
-        def initialiser(tensor, *args, **kwargs):
-            if is_fake(tensor) or getattr(tensor, "is_meta", False):
-                return tensor
-            return original(tensor, *args, **kwargs)
-        return initialiser
-
-    try:
-        for name, original in originals.items():
-            setattr(init, name, skipping(original))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(init, name, original)
+    return initialisers_skipping(
+        lambda tensor: is_fake(tensor) or getattr(tensor, "is_meta", False))
 
 
 def embedding_limit(model: nn.Module) -> int:
