@@ -97,13 +97,13 @@ def llamas(tmp_path_factory):
     return out
 
 
-def _manual_stage(model, blocks: list[int], first: bool, last: bool):
+def _manual_stage(model, blocks: list[int], first: bool, last: bool, in_place: bool = False):
     """A stage as torch.distributed.pipelining's manual split builds one from the whole
     model: the blocks it does not run deleted, the embeddings on the first stage only, the
-    final norm and the head on the last only."""
+    final norm and the head on the last only; from a copy of ``model`` unless ``in_place``."""
     from torch import nn
 
-    stage = copy.deepcopy(model)  # keeps tied parameters tied
+    stage = model if in_place else copy.deepcopy(model)  # a copy keeps tied parameters tied
     stage.model.layers = nn.ModuleList(stage.model.layers[i] for i in blocks)
     if not first:
         stage.model.embed_tokens = None
@@ -258,3 +258,36 @@ def test_an_encoder_decoders_other_stack_runs_before_the_blocks(cli):
     last = nn.ModuleList([model.decoder[1], model.dec_norm, model.generator])
     assert [st["parameters"] for st in stages] == [
         sum(p.numel() for p in first.parameters()), sum(p.numel() for p in last.parameters())]
+
+
+def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, llamas):
+    """tp=2 beside pp=3: each stage holds what Transformers' own apply_tensor_parallelism
+    leaves one rank, in the modules a manual split keeps; the embedding's gradient, which
+    torch's DTensor makes whole (tests/test_tensor_parallel.py holds it to the tracker), is
+    counted on the stage that runs the embedding only. Untied: Transformers' own split of the
+    tied Llama stops at lm_head.weight (its plan names the tied parameter's second name)."""
+    import transformers
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from tfcli.parallel.tensor import fake_world
+
+    folder, _ = llamas[False]
+    data = _plan(cli, "--model", f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16",
+                 "--batch-size", "2")
+    stages = data["conditions"]["pipeline"]["stages"]
+    assert data["world_size"] == 6 and data["conditions"]["tensor_parallel"]["tp"] == 2
+    config = transformers.AutoConfig.from_pretrained(folder)
+    for s, st in enumerate(stages):
+        with fake_world(2) as mesh:  # fake DTensors cannot be copied: one model a stage
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            apply_tensor_parallelism(model, mesh,
+                                     model._expand_parallel_plan(dict(model.tp_plan)))
+            blocks = [int(path.rsplit(".", 1)[1]) for path in st["blocks"]]
+            stage = _manual_stage(model, blocks, s == 0, s == len(stages) - 1, in_place=True)
+            local = sum(getattr(p, "_local_tensor", p).numel() for p in stage.parameters())
+            assert st["parameters"] == local, s
+            lines = {line["name"]: line["bytes"] for line in st["memory"]}
+            embedding_half = LLAMA["vocab_size"] * LLAMA["hidden_size"] // 2
+            assert lines["gradients"] - lines["weights"] == (4 * embedding_half if s == 0
+                                                             else 0), s
+    assert data["peak"]["bytes"] == max(st["peak_bytes"] for st in stages)

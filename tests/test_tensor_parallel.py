@@ -220,8 +220,8 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
      "colwise) has out_features=90, not divisible by 4"),
     ("llama", ["--parallel", "tp=2,sp=1"], "sequence parallelism (sp=1) is not computed yet "
      "for --model"),
-    ("llama", ["--parallel", "tp=2,pp=2"], "--parallel tp=2,pp=2: pipeline stages beside "
-     "tensor parallelism are not computed yet for --model"),
+    ("llama", ["--parallel", "tp=2,cp=2"], "--parallel tp=2,cp=2: cp=2 splits the model "
+     "itself, which is computed for tfcli's own configuration only"),
     ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "
      "tensor-parallel ranks: add tp=T"),
     ("tied", ["--parallel", "tp=2", "--tp-plan", "model.embed_tokens=embedding_rowwise"],

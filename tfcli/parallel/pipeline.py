@@ -56,6 +56,8 @@ class Stage:
     units: Units
     buffer_numel: int
     largest_module: int
+    whole: int = 0  # its parameters' elements before a tensor-parallel split (its own numel)
+    parameter_names: frozenset[str] = frozenset()  # every name its parameters go by
 
     @property
     def groups(self) -> list[Group]:
@@ -78,17 +80,23 @@ def in_flight(pp: int, stage: int, micro_batches: int) -> int:
     return min(pp - stage, micro_batches)
 
 
-def split(subject, wrap: str | None, sizes: dict[str, int], pp: int) -> list[Stage]:
+def split(subject, wrap: str | None, sizes: dict[str, int], pp: int,
+          build=None) -> list[Stage]:
     """The stages of ``subject``'s model over ``pp`` (see the module's docstring): built and run
     once on meta (or fake tensors) at ``sizes`` to see where the modules outside the blocks
-    are called."""
+    are called. ``build``: a function that returns the model to split, built on fake tensors
+    on the CPU in the caller's fake mode (one rank's share under tensor parallelism); by
+    default the subject's model, built here without weights."""
+    import contextlib
+
     import torch
 
     from tfcli.subjects.base import running
 
-    device, abstract = subject.abstract_run("meta")
+    device, abstract = ("cpu", contextlib.nullcontext()) if build is not None else \
+        subject.abstract_run("meta")
     with abstract:
-        model = subject.build(device)
+        model = build() if build is not None else subject.build(device)
         units = find_units(model, wrap)
         blocks = units.modules
         if not blocks:
@@ -157,15 +165,24 @@ def _stage(s: int, pp: int, blocks, block_paths, stage_of, outside, where) -> St
         buffers.update((id(b), b.numel()) for b in blocks[i].buffers())
     for _, module, _ in held:
         buffers.update((id(b), b.numel()) for b in module.buffers(recurse=False))
-    own = [sum(p.numel() for p in m.parameters(recurse=False))
+    def local(p) -> int:  # a tensor-parallel DTensor: this rank's shard
+        return getattr(p, "_local_tensor", p).numel()
+
+    own = [sum(local(p) for p in m.parameters(recurse=False))
            for i in mine for m in blocks[i].modules()]
-    own += [sum(p.numel() for p in m.parameters(recurse=False)) for _, m, _ in held]
+    own += [sum(local(p) for p in m.parameters(recurse=False)) for _, m, _ in held]
     how = (f"stage {s} of {pp}: {len(mine)} block(s), {block_paths[mine[0]]}"
            + (f" … {block_paths[mine[-1]]}" if len(mine) > 1 else ""))
     units = Units([blocks[i] for i in mine], groups, root, how)
+    named = [(f"{block_paths[i]}.{name}", p) for i in mine
+             for name, p in blocks[i].named_parameters(remove_duplicate=False)]
+    named += [(f"{path}.{name}" if path else name, p) for path, m, _ in held
+              for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+    whole = sum({id(p): p.numel() for _, p in named}.values())
     return Stage(s, mine, tuple(block_paths[i] for i in mine),
                  _named(held, [path for path, _ in outside], block_paths), units,
-                 sum(buffers.values()), max(own, default=0))
+                 sum(buffers.values()), max(own, default=0), whole,
+                 frozenset(name for name, _ in named))
 
 
 def _named(held, outside: list[str], block_paths: list[str]) -> tuple[str, ...]:
@@ -190,7 +207,7 @@ def _named(held, outside: list[str], block_paths: list[str]) -> tuple[str, ...]:
     return tuple(name + (" (buffers)" if only else "") for name, only in out.items())
 
 
-def _view(traced, stage: Stage):
+def view_of(traced, stage: Stage):
     """``traced`` (a TracedModel) as if its model were the stage: its lines then describe the
     stage's parameters, buffers and units."""
     view = copy.copy(traced)
@@ -229,7 +246,7 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
                                       kernel, loop, device)
     results, peaks = [], []
     for st in stages:
-        view = _view(traced, st)
+        view = traced.stage_view(st)
         lines = view._state_lines(n, zero, sb)
         lines[0].how = (f"stage {st.index} of {pp}: blocks {st.blocks_text()}"
                         + (f", and {', '.join(st.holds)}" if st.holds else "") + "; "
@@ -250,7 +267,7 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
     totals = [sum(line.bytes for line in lines) for lines in results]
     need = [p.bytes for p in peaks] if peaks else totals
     worst = max(range(pp), key=need.__getitem__)
-    view = _view(traced, stages[worst])
+    view = traced.stage_view(stages[worst])
     records = [st.record() | {"in_flight": in_flight(pp, st.index, m), "total_bytes": total,
                               "peak_bytes": peaks[st.index].bytes if peaks else None,
                               "memory": [line.record() for line in lines]}

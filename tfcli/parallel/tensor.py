@@ -16,9 +16,13 @@ as torch runs it, not from formulas on a configuration.
   it has no vocabulary-sharded rule for the embedding's backward), activations from a
   fake-tensor replay of the parallelized model, each DTensor counted by its local shard.
 
+- Beside pipeline parallelism (``pp``), the split model is placed on stages as
+  :mod:`tfcli.parallel.pipeline` places a whole one, and each stage's lines count its local
+  shards (a gradient torch makes whole counted on the stage that holds its parameter).
+
 Not computed (refused in one line): sequence parallelism (the norms and the residual stream
 stay whole on every rank, as the plans Transformers ships leave them), styles torch's
-ParallelStyle cannot express (packed, expert and MLA weights), tp with pp, cp or ep.
+ParallelStyle cannot express (packed, expert and MLA weights), tp with cp or ep.
 """
 
 from __future__ import annotations
@@ -282,13 +286,14 @@ class TensorParallelModel(TracedModel):
             raise TfcliError(f"--parallel tp={par.tp},ep={par.ep}: expert parallelism beside "
                              f"tensor parallelism is not computed yet for --model; drop one")
         self.subject, self.wrap, self.t = subject, wrap, par.tp
+        self.probe, self._stages = {**subject.default_sizes, "B": 1}, {}
         self.tp_plan_text = tp_plan
         with fake_world(self.t) as mesh:
             model = self._split(mesh)
             self._survey(model)
             self.whole = sum(p.numel() for p in model.parameters())  # the global shapes
             self.split = sum(1 for style in self.styles.values() if STYLES[style][0])
-            self.grad_numel, self.grad_notes = self._gradients(model)
+            self.grad_numel, self.grad_notes, self.grad_excess = self._gradients(model)
 
     def _split(self, mesh, dtype=None):
         """The subject built on fake tensors and split; the first time, its plan is
@@ -304,9 +309,10 @@ class TensorParallelModel(TracedModel):
         parallelize(model, mesh, self.styles, self.t)
         return model
 
-    def _gradients(self, model) -> tuple[int, list[str]]:
+    def _gradients(self, model) -> tuple[int, list[str], dict[str, tuple[int, str]]]:
         """The trainable parameters' gradients as torch's backward makes them on one rank
-        (elements), and a note for each that is larger than its parameter's shard: one
+        (elements), a note for each that is larger than its parameter's shard, and for each
+        such parameter (by its first name) the elements beyond its shard and its note: one
         small fake forward and backward of the split ``model``."""
         import torch
 
@@ -327,7 +333,7 @@ class TensorParallelModel(TracedModel):
                 f"module hands on 1/{self.t} of its features, so the code after it must "
                 f"work on a share (heads divisible by tp, no sizes fixed in the "
                 f"code)") from None
-        total, notes, seen = 0, [], set()
+        total, notes, excess, seen = 0, [], {}, set()
         for name, p in model.named_parameters():
             if id(p) in seen or not p.requires_grad:
                 continue
@@ -337,22 +343,53 @@ class TensorParallelModel(TracedModel):
             if grad.numel() > _local(p).numel():
                 notes.append(f"{name}: {'×'.join(map(str, grad.shape))} (its shard "
                              f"{'×'.join(map(str, _local(p).shape))})")
-        return total, notes
+                excess[name] = (grad.numel() - _local(p).numel(), notes[-1])
+        return total, notes, excess
 
     def plan(self, par: Parallel, *args, **kwargs):
         result = super().plan(par, *args, **kwargs)
         result.parallel = dataclasses.replace(par, sp=False)  # as computed
         result.conditions["tensor_parallel"] = self.conditions()
+        stage = ""
+        if par.pp > 1:
+            worst = self.stages(par.pp)[result.stage]
+            stage = (f"; stage {worst.index} of pp={par.pp} holds "
+                     f"{sum(g.numel for g in worst.groups):,} of its {worst.whole:,}")
         result.conditions["model_states_from"] = (
             f"the built model split by torch's parallelize_module over tp={self.t}: "
             f"{self.numel:,} of its {self.whole:,} parameters on this rank "
-            f"({self.trainable:,} trainable)")
+            f"({self.trainable:,} trainable){stage}")
         return result
 
     def _check_splits(self, par: Parallel) -> None:
         refuse_model_splits(par, tensor=True)
         if par.tp != self.t:
             raise TfcliError(f"--parallel tp={par.tp}: this model is split {self.t} ways")
+
+    def stages(self, pp: int, sizes: dict[str, int] | None = None) -> list:
+        """One rank's share over ``pp`` pipeline stages: the split model placed on stages as
+        tfcli.parallel.pipeline.split places a whole one, each stage's groups its local
+        shards."""
+        from tfcli.parallel.pipeline import split
+
+        if pp not in self._stages:
+            with fake_world(self.t) as mesh:
+                self._stages[pp] = split(self.subject, self.wrap, sizes or self.probe, pp,
+                                         build=lambda: self._split(mesh))
+        return self._stages[pp]
+
+    def stage_view(self, stage):
+        """The share as if it were the pipeline stage ``stage``: its parameters before the
+        split, the modules split in it and the gradients torch's backward makes there."""
+        view = super().stage_view(stage)
+        view.whole = stage.whole
+        view.split = sum(1 for path, style in self.styles.items() if STYLES[style][0] and any(
+            name.startswith(path + ".") for name in stage.parameter_names))
+        mine = [excess for name, excess in self.grad_excess.items()
+                if name in stage.parameter_names]
+        view.grad_numel = view.trainable + sum(extra for extra, _ in mine)
+        view.grad_notes = [note for _, note in mine]
+        return view
 
     @functools.lru_cache(maxsize=64)
     def replay(self, sizes: tuple, dtype: str, mixed: str | None, kernel: str,

@@ -23,8 +23,8 @@ replay, not from tfcli's configuration fields (those are :mod:`tfcli.parallel.pl
 - Pipeline parallelism (``pp``, :mod:`tfcli.parallel.pipeline`): the blocks split over stages,
   each stage's lines as above over its own parameters, with 1F1B's micro-batches in flight.
 - Tensor parallelism (``tp``, :mod:`tfcli.parallel.tensor`): the same lines for one rank's
-  share, the model split by torch's ``parallelize_module`` on a fake process group (not yet
-  beside pipeline stages).
+  share, the model split by torch's ``parallelize_module`` on a fake process group; beside
+  pipeline stages, each stage of that share.
 
 Context parallelism splits sequences that only tfcli's own configuration describes so far:
 refused here in one line.
@@ -49,17 +49,16 @@ WORKING = "activations: backward working set"
 
 def refuse_model_splits(par: Parallel, tensor: bool = False) -> None:
     """Context parallelism is not computed for --model yet; tensor parallelism is by
-    tfcli.parallel.tensor (``tensor``: the caller is it), not yet beside pipeline stages."""
-    if tensor and par.tp > 1 and par.pp > 1:
-        raise TfcliError(f"--parallel tp={par.tp},pp={par.pp}: pipeline stages beside tensor "
-                         f"parallelism are not computed yet for --model; drop one")
-    for key, what in (("tp", "tensor"), ("cp", "context")):
-        value = getattr(par, key)
-        if value > 1 and not (tensor and key == "tp"):
-            raise TfcliError(f"--parallel {key}={value}: {what} parallelism is not computed yet "
-                             f"for --model (data parallel dp=N,zero=0-3 and pipeline pp=P are); "
-                             f"drop {key}, or use tfcli's own configuration "
-                             f"(--preset/--config/--set)")
+    tfcli.parallel.tensor.TensorParallelModel (``tensor``: the caller is it)."""
+    if par.tp > 1 and not tensor:
+        raise TfcliError(f"--parallel tp={par.tp}: this is a plan of the whole model; one "
+                         f"rank's share under tensor parallelism is "
+                         f"tfcli.parallel.tensor.TensorParallelModel's")
+    if par.cp > 1:
+        raise TfcliError(f"--parallel cp={par.cp}: context parallelism is not computed yet "
+                         f"for --model (data dp=N,zero=0-3, tensor tp=T and pipeline pp=P "
+                         f"are); drop cp, or use tfcli's own configuration "
+                         f"(--preset/--config/--set)")
 
 
 class TracedModel:
@@ -100,6 +99,13 @@ class TracedModel:
         if pp not in self._stages:
             self._stages[pp] = split(self.subject, self.wrap, sizes or self.probe, pp)
         return self._stages[pp]
+
+    def stage_view(self, stage):
+        """This model as if it were the pipeline stage ``stage`` (its lines then describe the
+        stage's parameters, buffers and units): tfcli.parallel.pipeline.view_of."""
+        from tfcli.parallel.pipeline import view_of
+
+        return view_of(self, stage)
 
     def _units_of(self, model):
         return find_units(model, self.wrap).modules
