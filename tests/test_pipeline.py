@@ -214,6 +214,68 @@ def test_a_user_modules_stages_follow_the_forward_not_the_registration(cli, net)
     assert data["stage"] == max(range(pp), key=lambda s: stages[s]["peak_bytes"])
 
 
+def _allocated_after(fn) -> int:
+    """Bytes the CPU allocator handed out while ``fn`` ran and did not get back: what the
+    tensors ``fn`` made and left alive hold, by torch's CPU profiler's allocation events."""
+    from torch._C._profiler import _EventType
+
+    from tfcli.inspection.memory import cpu_profiler
+
+    with cpu_profiler(profile_memory=True) as prof:
+        kept = fn()  # noqa: F841 (alive until the events are read)
+    total = 0
+
+    def walk(events) -> None:
+        nonlocal total
+        for event in events:
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+                total += event.extra_fields.alloc_size  # negative for a free
+            walk(event.children)
+
+    walk(prof.kineto_results.experimental_event_tree())
+    return total
+
+
+def test_each_stages_activations_are_what_its_forwards_leave_alive(cli, net):
+    """Each stage of the user module run as a pipeline stage runs it, on real tensors under
+    torch's CPU profiler: its micro-batches in flight forwarded (the first stage from token
+    ids; a later one from the hidden state it receives, a leaf that needs a gradient, as
+    torch.distributed.pipelining's PipelineStage makes it), their outputs kept for backward,
+    the last stage's loss (the mean-square stand-in tfcli states) kept; the token ids are the
+    data, made before. What that leaves allocated equals the stage's activation lines to the
+    byte, but the loss's 4-byte scalar."""
+    import torch
+    from torch import nn
+
+    pp, m, b, length = 3, 4, 2, 16
+    data = _plan(cli, *net, "--parallel", f"pp={pp}", "--micro-batches", str(m),
+                 "--seq-len", str(length), "--batch-size", str(b))
+    stages = data["conditions"]["pipeline"]["stages"]
+    model = _user_net()
+    d, vocab = model.embed.embedding_dim, model.embed.num_embeddings
+    for s, st in enumerate(stages):
+        blocks = nn.Sequential(*(model.blocks[int(p.rsplit(".", 1)[1])] for p in st["blocks"]))
+
+        tokens = [torch.randint(0, vocab, (b, length)) for _ in range(m)]  # the data
+
+        def forward_in_flight(s=s, blocks=blocks, tokens=tokens, flight=st["in_flight"]):
+            outputs = []
+            for i in range(flight):
+                x = model.embed(tokens[i]) if s == 0 else \
+                    torch.randn(b, length, d, requires_grad=True)  # received
+                x = blocks(x)
+                outputs.append(x if s < pp - 1 else
+                               model.head(model.norm(x)).float().square().mean())
+            return outputs
+
+        lines = {line["name"]: line["bytes"] for line in st["memory"]}
+        ours = sum(lines.get(name, 0) for name in (
+            "activations: layers", "activations: stage outputs",
+            "activations: before the blocks", "activations: after the blocks"))
+        assert _allocated_after(forward_in_flight) == ours + (4 if s == pp - 1 else 0), s
+    assert [st["in_flight"] for st in stages] == [3, 2, 1]
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--parallel", "pp=5"], "--parallel pp=5: more stages than the model's 4 blocks"),
     (["--parallel", "pp=2", "--wrap", "Embedding"], "--parallel pp=2: more stages than the "
