@@ -214,28 +214,6 @@ def test_a_user_modules_stages_follow_the_forward_not_the_registration(cli, net)
     assert data["stage"] == max(range(pp), key=lambda s: stages[s]["peak_bytes"])
 
 
-def _allocated_after(fn) -> int:
-    """Bytes the CPU allocator handed out while ``fn`` ran and did not get back: what the
-    tensors ``fn`` made and left alive hold, by torch's CPU profiler's allocation events."""
-    from torch._C._profiler import _EventType
-
-    from tfcli.inspection.memory import cpu_profiler
-
-    with cpu_profiler(profile_memory=True) as prof:
-        kept = fn()  # noqa: F841 (alive until the events are read)
-    total = 0
-
-    def walk(events) -> None:
-        nonlocal total
-        for event in events:
-            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                total += event.extra_fields.alloc_size  # negative for a free
-            walk(event.children)
-
-    walk(prof.kineto_results.experimental_event_tree())
-    return total
-
-
 def test_each_stages_activations_are_what_its_forwards_leave_alive(cli, net):
     """Each stage of the user module run as a pipeline stage runs it, on real tensors under
     torch's CPU profiler: its micro-batches in flight forwarded (the first stage from token
@@ -246,6 +224,8 @@ def test_each_stages_activations_are_what_its_forwards_leave_alive(cli, net):
     byte, but the loss's 4-byte scalar."""
     import torch
     from torch import nn
+
+    from tfcli.inspection.memory import profile_kept_bytes
 
     pp, m, b, length = 3, 4, 2, 16
     data = _plan(cli, *net, "--parallel", f"pp={pp}", "--micro-batches", str(m),
@@ -272,7 +252,7 @@ def test_each_stages_activations_are_what_its_forwards_leave_alive(cli, net):
         ours = sum(lines.get(name, 0) for name in (
             "activations: layers", "activations: stage outputs",
             "activations: before the blocks", "activations: after the blocks"))
-        assert _allocated_after(forward_in_flight) == ours + (4 if s == pp - 1 else 0), s
+        assert profile_kept_bytes(forward_in_flight) == ours + (4 if s == pp - 1 else 0), s
     assert [st["in_flight"] for st in stages] == [3, 2, 1]
 
 
@@ -322,24 +302,51 @@ def test_an_encoder_decoders_other_stack_runs_before_the_blocks(cli):
         sum(p.numel() for p in first.parameters()), sum(p.numel() for p in last.parameters())]
 
 
-def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, llamas):
+def _whole_embedding_gradient_excess(vocab: int, dim: int, t: int) -> int:
+    """Elements by which the gradient torch's DTensor makes for a vocabulary-parallel
+    nn.Embedding (torch's own parallelize_module, RowwiseParallel with whole token ids) exceeds
+    the rank's shard of the weight, over a fake process group of ``t`` ranks."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from tfcli.parallel.tensor import fake_world
+
+    with fake_world(t) as mesh:
+        embedding = parallelize_module(nn.Embedding(vocab, dim), mesh,
+                                       RowwiseParallel(input_layouts=Replicate()))
+        embedding(torch.randint(0, vocab, (2, 8))).sum().backward()  # a local output
+        weight = embedding.weight
+        return weight.grad.to_local().numel() - weight.to_local().numel()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, llamas, tied):
     """tp=2 beside pp=3: each stage holds what Transformers' own apply_tensor_parallelism
-    leaves one rank, in the modules a manual split keeps; the embedding's gradient, which
-    torch's DTensor makes whole (tests/test_tensor_parallel.py holds it to the tracker), is
-    counted on the stage that runs the embedding only. Untied: Transformers' own split of the
-    tied Llama stops at lm_head.weight (its plan names the tied parameter's second name)."""
+    leaves one rank, in the modules a manual split keeps (untied: Transformers' own split of
+    the tied Llama stops at lm_head.weight, its plan naming the tied parameter's second name);
+    the embedding's gradient, which torch's DTensor makes whole, is counted on the stage that
+    runs the embedding only, tied or not: there the stage's own copy of a tied weight gets the
+    embedding's gradient alone."""
     import transformers
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     from tfcli.parallel.tensor import fake_world
 
-    folder, _ = llamas[False]
+    folder, _ = llamas[tied]
     data = _plan(cli, "--model", f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16",
                  "--batch-size", "2")
     stages = data["conditions"]["pipeline"]["stages"]
     assert data["world_size"] == 6 and data["conditions"]["tensor_parallel"]["tp"] == 2
+    excess = _whole_embedding_gradient_excess(LLAMA["vocab_size"], LLAMA["hidden_size"], 2)
+    assert excess == LLAMA["vocab_size"] * LLAMA["hidden_size"] // 2  # the other rank's rows
     config = transformers.AutoConfig.from_pretrained(folder)
     for s, st in enumerate(stages):
+        lines = {line["name"]: line["bytes"] for line in st["memory"]}
+        assert lines["gradients"] - lines["weights"] == (4 * excess if s == 0 else 0), s
+        if tied:
+            continue
         with fake_world(2) as mesh:  # fake DTensors cannot be copied: one model a stage
             model = transformers.AutoModelForCausalLM.from_config(config)
             apply_tensor_parallelism(model, mesh,
@@ -348,8 +355,4 @@ def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, 
             stage = _manual_stage(model, blocks, s == 0, s == len(stages) - 1, in_place=True)
             local = sum(getattr(p, "_local_tensor", p).numel() for p in stage.parameters())
             assert st["parameters"] == local, s
-            lines = {line["name"]: line["bytes"] for line in st["memory"]}
-            embedding_half = LLAMA["vocab_size"] * LLAMA["hidden_size"] // 2
-            assert lines["gradients"] - lines["weights"] == (4 * embedding_half if s == 0
-                                                             else 0), s
     assert data["peak"]["bytes"] == max(st["peak_bytes"] for st in stages)

@@ -736,13 +736,11 @@ def cpu_profiler(profile_memory: bool = False):
         yield prof
 
 
-def profile_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated on the CPU while ``fn`` runs, above what was allocated before:
-    the running maximum over the profiler's allocation events (tracemalloc sees none of them)."""
+def _cpu_allocations(prof) -> list[tuple[int, int]]:
+    """(time, bytes) of every CPU allocation event ``prof`` recorded, in time order; a free's
+    bytes are negative (tracemalloc sees none of them)."""
     from torch._C._profiler import _EventType
 
-    with cpu_profiler(profile_memory=True) as prof:
-        fn()
     deltas: list[tuple[int, int]] = []
 
     def walk(events) -> None:
@@ -752,11 +750,30 @@ def profile_peak_bytes(fn: Callable[[], object]) -> int:
             walk(event.children)
 
     walk(prof.kineto_results.experimental_event_tree())
+    return sorted(deltas)
+
+
+def profile_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the CPU while ``fn`` runs, above what was allocated before:
+    the running maximum over the profiler's allocation events."""
+    with cpu_profiler(profile_memory=True) as prof:
+        fn()
     live = peak = 0
-    for _, size in sorted(deltas):
+    for _, size in _cpu_allocations(prof):
         live += size
         peak = max(peak, live)
     return peak
+
+
+def profile_kept_bytes(fn: Callable[[], object]) -> int:
+    """Bytes allocated on the CPU while ``fn`` runs and still allocated when it has returned:
+    what the tensors it returns, and what they keep alive (autograd's saved tensors), hold,
+    by the profiler's allocation events."""
+    with cpu_profiler(profile_memory=True) as prof:
+        kept = fn()
+    total = sum(size for _, size in _cpu_allocations(prof))
+    del kept  # alive until the events were read
+    return total
 
 
 # --- training memory ---------------------------------------------------------------------------

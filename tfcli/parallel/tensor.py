@@ -18,7 +18,9 @@ as torch runs it, not from formulas on a configuration.
 
 - Beside pipeline parallelism (``pp``), the split model is placed on stages as
   :mod:`tfcli.parallel.pipeline` places a whole one, and each stage's lines count its local
-  shards (a gradient torch makes whole counted on the stage that holds its parameter).
+  shards; a gradient torch makes whole is counted on the stage whose modules make it (each
+  stage's own copy of a tied weight measured untied: the embedding's copy gets its whole
+  gradient alone).
 
 Not computed (refused in one line): sequence parallelism (the norms and the residual stream
 stay whole on every rank, as the plans Transformers ships leave them), styles torch's
@@ -271,6 +273,23 @@ def _local(t):
     return getattr(t, "_local_tensor", t)
 
 
+def _untie(model) -> None:
+    """Each module that shares a parameter with an earlier one gets a copy of its own (same
+    shape and placements, same requires_grad), as a manual pipeline split leaves tied
+    embeddings: a copy on each stage that holds one of the modules."""
+    from torch import nn
+
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in seen:
+                module._parameters[name] = nn.Parameter(p.detach().clone(),
+                                                        requires_grad=p.requires_grad)
+            seen.add(id(p))
+
+
 # --- the plan of one rank ----------------------------------------------------------------------
 
 
@@ -376,6 +395,14 @@ class TensorParallelModel(TracedModel):
             with fake_world(self.t) as mesh:
                 self._stages[pp] = split(self.subject, self.wrap, sizes or self.probe, pp,
                                          build=lambda: self._split(mesh))
+                if not hasattr(self, "stage_grad_excess"):
+                    # each stage holds its own copy of a tied parameter (the first stage the
+                    # embedding's, the last the head's), whose gradient only its own modules
+                    # make: a vocabulary-parallel embedding's alone is whole even where the
+                    # tied sum is a shard
+                    model = self._split(mesh)
+                    _untie(model)
+                    self.stage_grad_excess = self._gradients(model)[2]
         return self._stages[pp]
 
     def stage_view(self, stage):
@@ -385,7 +412,7 @@ class TensorParallelModel(TracedModel):
         view.whole = stage.whole
         view.split = sum(1 for path, style in self.styles.items() if STYLES[style][0] and any(
             name.startswith(path + ".") for name in stage.parameter_names))
-        mine = [excess for name, excess in self.grad_excess.items()
+        mine = [excess for name, excess in self.stage_grad_excess.items()
                 if name in stage.parameter_names]
         view.grad_numel = view.trainable + sum(extra for extra, _ in mine)
         view.grad_notes = [note for _, note in mine]
