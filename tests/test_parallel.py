@@ -274,6 +274,32 @@ def test_fsdp_plan_agrees_with_fsdp_mem_tracker(tracked, name, n, b, s):
     assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.01), p.peak.moments
 
 
+def test_a_zero3_plan_of_tfclis_model_replays_the_whole_model_once(monkeypatch):
+    """The activation lines and FSDP2's peak come from one replay of the whole model with each
+    layer marked as a unit (and the one- and two-layer replays that give a layer's share), not
+    from a plain replay and a marked one: marking changes nothing a plain replay answers."""
+    from tfcli.inspection import memory
+    from tfcli.subjects.own import OwnSubject
+
+    cfg = _cfg("llama").replace(n_decoder_layers=5, tgt_vocab_size=1001)  # replayed nowhere else
+    depths = []
+    replay = memory._replay_activations
+
+    def counted(subject, *args, **kwargs):
+        depths.append(subject.cfg.n_decoder_layers)
+        return replay(subject, *args, **kwargs)
+
+    monkeypatch.setattr(memory, "_replay_activations", counted)
+    p = plan(cfg, Parallel(dp=4, zero=3), batch=2, seq_len=32)
+    assert sorted(depths) == [1, 2, 5] and p.peak is not None
+    sizes = {"B": 2, "S": 32, "T": 32, "L": 32}
+    marked, _ = memory.estimate_activations(OwnSubject(cfg), sizes)  # remembered: no replay
+    plain, _ = replay(OwnSubject(cfg), sizes, "fp32", None, "auto")
+    assert len(depths) == 3 and len(marked.unit_saved) == 5
+    assert (marked.peak_bytes, marked.saved_bytes, marked.held_output) == (
+        plain.peak_bytes, plain.saved_bytes, plain.held_output)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("n", [2, 8])
 def test_zero2_plan_agrees_with_fsdp2_without_resharding(tracked, name, n):

@@ -67,7 +67,11 @@ class Replay:
 
 def share_config(cfg: Config, t: int, n_enc: int, n_dec: int) -> Config:
     """The model one tensor-parallel rank runs, with n_enc + n_dec layers: heads, FFN width and
-    vocabularies divided by t (head width kept)."""
+    vocabularies divided by t (head width kept). At t = 1 and every layer, ``cfg`` itself: its
+    replays are those any other plan or line of the same model asks for (remembered)."""
+    if t == 1 and (n_enc if cfg.has_encoder else 0, n_dec if cfg.has_decoder else 0) == (
+            cfg.n_encoder_layers, cfg.n_decoder_layers):
+        return cfg
     vocab = lambda v: -(-v // t) if v else 0  # noqa: E731
     return cfg.replace(
         n_heads=cfg.n_heads // t, n_kv_heads=cfg.kv_heads // t, head_dim=cfg.d_k,

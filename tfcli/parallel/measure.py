@@ -66,11 +66,7 @@ def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
     ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
     FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole)."""
     from tfcli.model.transformer import build_model
-    from tfcli.subjects.own import OwnSubject
-
-    def layers(model):
-        return [layer for stack in (model.encoder, model.decoder) if stack is not None
-                for layer in stack.layers]
+    from tfcli.subjects.own import OwnSubject, layers
 
     return _tracked(OwnSubject(cfg), lambda: build_model(cfg, "cpu"), layers, world,
                     [{"B": b, "S": n, "T": n} for b, n in sizes], reshard_after_forward)

@@ -299,15 +299,10 @@ def _own_traced(cfg: Config):
     wrap unit (as tfcli.parallel.measure.fsdp_fake_memory shards it)."""
     from tfcli.parallel.traced import TracedModel
     from tfcli.parallel.units import Units, group
-    from tfcli.subjects.own import OwnSubject
-
-    def layers(model) -> list:
-        return [layer for stack in (model.encoder, model.decoder) if stack is not None
-                for layer in stack.layers]
+    from tfcli.subjects.own import OwnSubject, layers
 
     class OwnLayers(TracedModel):
-        def _units_of(self, model):
-            return layers(model)
+        _units_of = staticmethod(layers)  # the function itself: its replays are remembered
 
         def _survey(self, model) -> None:
             super()._survey(model)

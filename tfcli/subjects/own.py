@@ -112,6 +112,13 @@ class OwnSubject(Subject):
                 **({"T": (w, True)} if self.cfg.has_decoder else {})}
 
 
+def layers(model: nn.Module) -> list[nn.Module]:
+    """Every layer of every stack of tfcli's model, the encoder's first: the units FSDP2 is
+    applied to (tfcli.parallel.measure) and that tfcli's replays of its own model mark."""
+    return [layer for stack in (model.encoder, model.decoder) if stack is not None
+            for layer in stack.layers]
+
+
 def dimension_names(cfg: Config, batch: int | None = None, src_len: int | None = None,
                     tgt_len: int | None = None) -> dict[str, int]:
     """The paper's names for the sizes in play: B, S, T, h, d_k, d_model, d_ff, V."""
