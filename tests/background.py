@@ -5,21 +5,22 @@ group, tfcli run as the console script under an address-space limit, a closed st
 signal. Run where their tests stand, the suite would wait for each in turn with one of the
 machine's two cores idle. Instead each is a *job*, registered (at import) under the name of
 the fixture that hands its result to the tests. When the session starts, the jobs that some
-selected test needs start in two background threads, while the in-process tests run in the
+selected test needs start in a background thread, while the in-process tests run in the
 main one; the tests that read a job's result run last, in the order their jobs should end
 (tests/conftest.py orders them, by expected_ends), and the fixture waits for its job if it
 is still running. A job that raises makes its fixture raise, so its tests fail; none is
 skipped.
 
-Two jobs run at a time, the longest first (each job declares about how long it runs on a
-quiet machine: longest first keeps the two threads finishing together), so that a job that
-spends its time waiting (real ranks starting, a deadline running out) overlaps another's work
-instead of adding to it. Every process a job starts runs at a lower priority (``nice`` 5):
-the in-process tests, one thread the session cannot end before, get a core whenever they
-want one, and the jobs take what is left (on a 2-core EPYC the whole session took 285 s with
-the jobs' processes at the tests' priority, 207 s at nice 10 and 204 s at nice 5). Not lower:
-on a machine busy with other work, jobs at nice 10 would get a tenth of what a nice-0
-process gets and could run past their time limits.
+Jobs run one at a time in one background thread, the longest first, beside the in-process
+tests in the main one: on a 2-core machine the two threads keep both cores busy. (Two job
+threads beside the tests left three runners on two cores: the in-process tests took 161 s of
+CPU instead of 140 s for the same work, and the session 183-192 s instead of 172 s.) When a
+test needs a job that is still waiting its turn, the test's thread takes it from the queue
+and runs it itself, so that the last jobs run on both cores while the tests wait for them.
+Every process a job starts runs at a lower priority (``nice`` 5): the in-process tests, one
+thread the session cannot end before, get a core whenever they want one, and the jobs take
+what is left. Not lower: on a machine busy with other work, jobs at nice 10 would get a
+tenth of what a nice-0 process gets and could run past their time limits.
 
 A job runs while in-process tests change the working directory and the environment (a test
 may set torchrun's variables, or plant a ``json.py`` in the directory it runs in): the
@@ -40,10 +41,11 @@ _COSTS: dict[str, float] = {}  # job -> the seconds it declares (the order jobs 
 _FUTURES: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
-_POOL: list[ThreadPoolExecutor] = []  # the two threads jobs run in, once started
+_POOL: list[ThreadPoolExecutor] = []  # the thread (LANES of them) jobs run in, once started
 NICE = 5  # the priority jobs' processes run at, below the in-process tests
 _CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
 _TIMES: dict[str, list[float]] = {}  # job -> [seconds it ran, seconds tests waited for it]
+_TAKEN: set[str] = set()  # jobs a test's thread took from the queue and ran itself
 
 
 def job(fixture: str, cost: float) -> Callable:
@@ -63,7 +65,7 @@ def job(fixture: str, cost: float) -> Callable:
     return register
 
 
-LANES = 2  # jobs that run at a time
+LANES = 1  # jobs that run at a time
 
 
 def _in_order(fixtures: Iterable[str]) -> list[str]:
@@ -74,7 +76,7 @@ def _in_order(fixtures: Iterable[str]) -> list[str]:
 
 def expected_ends(fixtures: Iterable[str]) -> dict[str, float]:
     """When each job behind ``fixtures`` should end, in declared seconds from the start, were
-    they started together (each goes to the first of the two threads that is free)."""
+    they started together (each goes to the first of the LANES threads that is free)."""
     lanes, ends = [0.0] * LANES, {}
     for name in _in_order(fixtures):
         lane = lanes.index(min(lanes))
@@ -85,7 +87,7 @@ def expected_ends(fixtures: Iterable[str]) -> dict[str, float]:
 
 def start(fixtures: Iterable[str]) -> list[str]:
     """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), the longest
-    first, two at a time."""
+    first, in the background thread."""
     names = [name for name in _in_order(fixtures) if name not in _FUTURES]
     if names and not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="background"))
@@ -103,23 +105,46 @@ def _timed(name: str) -> Any:
 
 
 def result(fixture: str) -> Any:
-    """The result of the job behind ``fixture``: waited for when the session started it, run
-    here and now when it did not (a test module run on its own outside pytest's hooks)."""
+    """The result of the job behind ``fixture``: when the session started it, waited for, and
+    while it runs in the background thread this thread runs jobs still waiting their turn (the
+    next in line first); run here and now when the session did not start it (a test module run
+    on its own outside pytest's hooks)."""
     future = _FUTURES.get(fixture)
     if future is None:
         return _JOBS[fixture]()
-    start = time.monotonic()
+    start, others = time.monotonic(), 0.0
     try:
-        return future.result()
+        if not _take(fixture):
+            while not future.done():
+                began = time.monotonic()
+                if not any(_take(name) for name in _FUTURES):
+                    break
+                others += time.monotonic() - began  # not waiting: running another job
+        return _FUTURES[fixture].result()
     finally:
-        _TIMES.setdefault(fixture, [0.0, 0.0])[1] += time.monotonic() - start
+        _TIMES.setdefault(fixture, [0.0, 0.0])[1] += time.monotonic() - start - others
+
+
+def _take(name: str) -> bool:
+    """Run the job ``name`` in this thread if it is still waiting in the queue (its outcome
+    then stands in for the background thread's, for every fixture that reads it)."""
+    if not _FUTURES[name].cancel():  # running, or done
+        return False
+    _TAKEN.add(name)
+    future = _FUTURES[name] = Future()
+    try:
+        future.set_result(_timed(name))
+    except Exception as err:  # noqa: BLE001 - its fixtures raise it, as from the background thread
+        future.set_exception(err)
+    return True
 
 
 def summary() -> list[str]:
     """A line per job that ran: its seconds, and how long tests waited for it (the time the
     background added to the session)."""
-    return [f"{name} (declares {_COSTS[name]:g} s): ran {ran:.1f} s, tests waited "
-            f"{waited:.1f} s" for name, (ran, waited) in _TIMES.items()]
+    return [f"{name} (declares {_COSTS[name]:g} s): ran {ran:.1f} s"
+            + (" in the tests' thread" if name in _TAKEN else f", tests waited {waited:.1f} s")
+            for name, (ran, waited) in _TIMES.items()]
 
 
 def session_env() -> dict[str, str]:
