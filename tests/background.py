@@ -12,14 +12,14 @@ is still running. A job that raises makes its fixture raise, so its tests fail; 
 skipped.
 
 Jobs run one at a time in one background thread, the longest first, beside the in-process
-tests in the main one: on a 2-core machine the two threads keep both cores busy. (Two job
-threads beside the tests put three runners on two cores, and the in-process tests, the
-thread the session waits for, lost part of their core: 154-161 s of CPU for what took 140-160
-s beside one job thread, on a machine whose speed drifts as much.) With one thread the jobs
-are the longer side, so when a test needs a job still waiting its turn, the test's thread
-takes it from the queue and runs it itself, and while it waits for a running one it runs the
-next in line: the last jobs run on both cores.
-Every process a job starts runs at a lower priority (``nice`` 5): the in-process tests, one
+tests in the main one: on a 2-core machine the two threads keep both cores busy, where two
+job threads beside the tests put three runners on two cores and the in-process tests, the
+thread the session waits for, had to share theirs (measured, the difference was within the
+machine's drift: the suite took 157 s and 166 s in clean clones this way, 172-192 s in the
+checkout either way). With one thread the jobs are the longer side, so when a test needs a
+job still waiting its turn, the test's thread takes it from the queue and runs it itself,
+and while it waits for a running one it runs the next in line: the last jobs run on both
+cores. Every process a job starts runs at a lower priority (``nice`` 5): the in-process tests, one
 thread the session cannot end before, get a core whenever they want one, and the jobs take
 what is left. Not lower: on a machine busy with other work, jobs at nice 10 would get a
 tenth of what a nice-0 process gets and could run past their time limits.
