@@ -877,12 +877,14 @@ def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",
     """Activation memory of one training step of ``subject`` at ``sizes`` (B and the lengths),
     and a line saying how it was found; ``units``: see simulate_training_step; ``freeze``:
     --freeze's patterns; ``loop``: LOOPS; ``device``: whose code paths (cpu, cuda)."""
-    if _remembers(subject) and units in (None, own_layers()):
+    from tfcli.subjects.own import layers
+
+    if _remembers(subject) and units in (None, layers):
         # tfcli's own model, replayed once for both questions with every layer a unit: the
         # FSDP plan needs what each layer saved, and the same replay answers the rest (units
         # only mark what each layer saves: the peak and the saved bytes are the same)
         estimate, how = _own_replay("activations", subject.cfg, _key(sizes), dtype,
-                                    mixed=mixed, kernel=kernel, units=own_layers(),
+                                    mixed=mixed, kernel=kernel, units=layers,
                                     freeze=tuple(freeze), loop=loop, device=device)
         return replace(estimate, saved_bytes=dict(estimate.saved_bytes)), how
     return _replay_activations(subject, sizes, dtype, mixed, kernel, units, tuple(freeze),
@@ -996,13 +998,6 @@ def _remembers(subject) -> bool:
     from tfcli.subjects.own import OwnSubject
 
     return type(subject) is OwnSubject
-
-
-def own_layers() -> Callable[[nn.Module], list[nn.Module]]:
-    """The units tfcli's own model is replayed with: every layer of every stack."""
-    from tfcli.subjects.own import layers
-
-    return layers
 
 
 def _key(sizes: dict[str, int]) -> tuple:
