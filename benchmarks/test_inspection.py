@@ -1,11 +1,12 @@
 """What the inspection commands cost, in fresh processes: wall time and peak RSS, beside
-`python -c "import torch"`, torchinfo.summary on the same model, and `python -c pass`."""
+`python -c "import torch"`, torchinfo.summary on the same model, and `python -c pass` (in a
+smoke run, forked children: conftest.ForkedProcesses)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.conftest import PYTHON, TFCLI, baseline, best_of, cpu_seconds
+from benchmarks.conftest import PYTHON, TFCLI
 
 BIG = ["--preset", "vaswani-big"]
 SEVEN_B = ["--preset", "gpt2-small", "--set", "n_decoder_layers=32", "--set", "d_model=4096",
@@ -34,13 +35,14 @@ SHAPES_MISS = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("command", ["params", "shapes"])
-def test_big_model_inspection(benchmark, measuring, request, command):
+def test_big_model_inspection(benchmark, measuring, processes, request, command):
     if command == "shapes" and measuring:  # the memory half holds; the time half is a known miss
         request.applymarker(SHAPES_MISS)
     repeat = 3 if measuring else 1
-    ours_s, ours_mb = benchmark.pedantic(best_of, args=(TFCLI + [command] + BIG, repeat),
+    ours_s, ours_mb = benchmark.pedantic(processes.best_of,
+                                         args=(TFCLI + [command] + BIG, repeat),
                                          rounds=1, iterations=1)
-    torch_s = baseline([PYTHON, "-c", "import torch"], repeat, measuring)
+    torch_s = processes.baseline([PYTHON, "-c", "import torch"], repeat)
     _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_torch_seconds=torch_s,
             beyond_import_torch=_minus(ours_s, torch_s))
     assert ours_mb < 500  # memory is deterministic enough to check in smoke runs too
@@ -48,11 +50,12 @@ def test_big_model_inspection(benchmark, measuring, request, command):
         assert ours_s - torch_s < 1.0
 
 
-def _against_torchinfo(benchmark, repeat: int = 3, measuring: bool = True):
-    ours_s, ours_mb = benchmark.pedantic(best_of, args=(TFCLI + ["params"] + BIG, repeat),
+def _against_torchinfo(benchmark, processes, repeat: int = 3):
+    ours_s, ours_mb = benchmark.pedantic(processes.best_of,
+                                         args=(TFCLI + ["params"] + BIG, repeat),
                                          rounds=1, iterations=1)
-    info_s, info_mb = best_of([PYTHON, "-c", TORCHINFO], repeat)
-    torch_s = baseline([PYTHON, "-c", "import torch"], repeat, measuring)
+    info_s, info_mb = processes.best_of([PYTHON, "-c", TORCHINFO], repeat)
+    torch_s = processes.baseline([PYTHON, "-c", "import torch"], repeat)
     _record(benchmark, tfcli_seconds=ours_s, tfcli_mib=ours_mb, torchinfo_seconds=info_s,
             torchinfo_mib=info_mb, speedup=info_s / ours_s, memory_ratio=info_mb / ours_mb,
             speedup_beyond_import_torch=None if torch_s is None else
@@ -60,34 +63,35 @@ def _against_torchinfo(benchmark, repeat: int = 3, measuring: bool = True):
     return info_s / ours_s, info_mb / ours_mb
 
 
-def test_params_smaller_than_torchinfo(benchmark, measuring):
+def test_params_smaller_than_torchinfo(benchmark, measuring, processes):
     # peak RSS hardly varies between runs: one of each in a smoke run
-    _, memory_ratio = _against_torchinfo(benchmark, 3 if measuring else 1, measuring)
-    assert memory_ratio >= 4
+    _, memory_ratio = _against_torchinfo(benchmark, processes, 3 if measuring else 1)
+    if measuring:  # forked children (a smoke run) share the server's pages: 4.0 where fresh is 4.6
+        assert memory_ratio >= 4
 
 
 @pytest.mark.xfail(strict=False, reason="known miss: both tools pay import torch (~1.2 s), "
                    "which bounds the ratio; measured 2.4x overall, ~7x beyond import torch")
-def test_params_faster_than_torchinfo(benchmark, measuring):
+def test_params_faster_than_torchinfo(benchmark, measuring, processes):
     if not measuring:
         pytest.skip("a ratio needs timing: run with --benchmark-only")
-    speedup, _ = _against_torchinfo(benchmark)
+    speedup, _ = _against_torchinfo(benchmark, processes)
     assert speedup >= 3
 
 
 @pytest.mark.parametrize("command", ["params", "shapes"])
-def test_seven_b_inspection(benchmark, command):
-    seconds, mib = benchmark.pedantic(best_of, args=(TFCLI + [command] + SEVEN_B, 1), rounds=1,
-                                      iterations=1)
+def test_seven_b_inspection(benchmark, processes, command):
+    seconds, mib = benchmark.pedantic(processes.best_of, args=(TFCLI + [command] + SEVEN_B, 1),
+                                      rounds=1, iterations=1)
     _record(benchmark, seconds=seconds, peak_rss_mib=mib)
     assert mib < 1024
 
 
-def test_help_startup(benchmark, measuring):
+def test_help_startup(benchmark, measuring, processes):
     repeat = 5 if measuring else 1
-    ours, _ = benchmark.pedantic(best_of, args=(TFCLI + ["--help"], repeat), rounds=1,
+    ours, _ = benchmark.pedantic(processes.best_of, args=(TFCLI + ["--help"], repeat), rounds=1,
                                  iterations=1)
-    bare = baseline([PYTHON, "-c", "pass"], repeat, measuring)
+    bare = processes.baseline([PYTHON, "-c", "pass"], repeat)
     _record(benchmark, help_seconds=ours, python_pass_seconds=bare, beyond=_minus(ours, bare))
     if measuring:
         assert ours - bare < 0.3
@@ -98,7 +102,7 @@ LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
 @pytest.mark.parametrize("command,limit_mib", [("params", 1024), ("shapes", 1536)])
-def test_hf_seven_b_config(benchmark, measuring, tmp_path, command, limit_mib):
+def test_hf_seven_b_config(benchmark, measuring, processes, tmp_path, command, limit_mib):
     """Issue 10's targets: params within 3 s of importing torch and transformers and under
     1 GB; shapes under 1.5 GB (its time is recorded: 3.4 s beyond the imports measured on a
     quiet 2-core EPYC, about 1.8 s of which is Transformers importing Llama's modules)."""
@@ -109,9 +113,10 @@ def test_hf_seven_b_config(benchmark, measuring, tmp_path, command, limit_mib):
     config.write_text(json.dumps(LLAMA_7B))
     repeat = 3 if measuring else 1
     ours_s, ours_mb = benchmark.pedantic(
-        best_of, args=(TFCLI + [command, "--model", f"hf:{config}", "--depth", "1"], repeat),
+        processes.best_of,
+        args=(TFCLI + [command, "--model", f"hf:{config}", "--depth", "1"], repeat),
         rounds=1, iterations=1)
-    base_s = baseline([PYTHON, "-c", "import torch, transformers"], repeat, measuring)
+    base_s = processes.baseline([PYTHON, "-c", "import torch, transformers"], repeat)
     _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_seconds=base_s,
             beyond_import=_minus(ours_s, base_s))
     assert ours_mb < limit_mib
@@ -145,7 +150,7 @@ MODULE_COUNTS = {"params": (12_500, 50_000), "shapes": (5_000, 20_000), "masks":
 
 
 @pytest.mark.parametrize("command", ["params", "shapes", "masks"])
-def test_cost_grows_linearly_in_modules(benchmark, measuring, tmp_path, command):
+def test_cost_grows_linearly_in_modules(benchmark, measuring, processes, tmp_path, command):
     """Issue 25: params on a model of 50,000 modules within a few seconds of building it on
     meta (with 20,000 it gave no answer in 3 minutes while it compared every module with every
     parameter), and every command's cost beyond building linear in the module count. CPU
@@ -156,11 +161,11 @@ def test_cost_grows_linearly_in_modules(benchmark, measuring, tmp_path, command)
     feed = [] if command == "params" else ["--input", "x=float32[B,2]"]
 
     def beyond_building(n: int) -> float | None:
-        ours = cpu_seconds(TFCLI + [command, "--model", f"{tmp_path}/many.py:Many",
+        ours = processes.cpu_seconds(TFCLI + [command, "--model", f"{tmp_path}/many.py:Many",
                                     "--model-arg", f"n={n}", *feed])
         if not measuring:  # a smoke run: the command runs; no baseline, no ratio
             return None
-        return ours - cpu_seconds([PYTHON, "-c", build.format(where=str(tmp_path), n=n)])
+        return ours - processes.cpu_seconds([PYTHON, "-c", build.format(where=str(tmp_path), n=n)])
 
     sizes = MODULE_COUNTS[command] if measuring else (500,)
     beyond = benchmark.pedantic(lambda: {n: beyond_building(n) for n in sizes}, rounds=1,

@@ -1,12 +1,13 @@
 """Inspection on meta costs memory independent of max_seq_len, batch and length (issue 11):
-peak RSS of `tfcli params` and `tfcli shapes` in fresh processes with max_seq_len = 10^7 and
-batch = 10^9, beside the same commands at the defaults."""
+peak RSS of `tfcli params` and `tfcli shapes` in fresh processes (a smoke run: forked
+children, conftest.ForkedProcesses) with max_seq_len = 10^7 and batch = 10^9, beside the same
+commands at the defaults."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.conftest import TFCLI, best_of
+from benchmarks.conftest import TFCLI
 
 HUGE = ["--set", "max_seq_len=10000000"]
 # (command, sizes): params estimates activations (a fake-tensor replay) at B = 10^9.
@@ -20,11 +21,11 @@ def _record(benchmark, **figures):
 
 
 @pytest.mark.parametrize("command", list(CASES))
-def test_meta_memory_does_not_grow_with_sizes(benchmark, command):
+def test_meta_memory_does_not_grow_with_sizes(benchmark, processes, command):
     base, batch = CASES[command]
     seconds, mib = benchmark.pedantic(
-        best_of, args=(TFCLI + base + HUGE + [batch, "1000000000"], 1), rounds=1, iterations=1)
-    _, small_mib = best_of(TFCLI + base + [batch, "1"], 1)
+        processes.best_of, args=(TFCLI + base + HUGE + [batch, "1000000000"], 1), rounds=1, iterations=1)
+    _, small_mib = processes.best_of(TFCLI + base + [batch, "1"], 1)
     _record(benchmark, seconds=seconds, peak_rss_mib=mib, small_sizes_mib=small_mib)
     assert mib < 500
     assert mib < small_mib + 50  # the sizes cost (almost) nothing beyond the same command small
