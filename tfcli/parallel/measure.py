@@ -74,8 +74,8 @@ def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
 
 def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[dict[str, int]],
                              wrap: str | None = None, reshard_after_forward: bool = True,
-                             precision: str | None = None,
-                             foreach: bool | None = None) -> dict[str, dict] | list[dict]:
+                             precision: str | None = None, foreach: bool | None = None,
+                             checkpointing: str = "none") -> dict[str, dict] | list[dict]:
     """The same for any subject (a user's module, a Transformers model): built as the subject
     builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
     largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
@@ -83,11 +83,24 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[d
     ``precision``: None (fp32), "autocast" (the step under torch.autocast bf16) or
     "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on every
     unit). ``foreach``: Adam's implementation (None: PyTorch's pick, the for-loop on the
-    CPU)."""
+    CPU). ``checkpointing``: "none", or "full": torch's activation checkpointing on each
+    unit (``torch.distributed._composable.checkpoint``, non-reentrant
+    ``torch.utils.checkpoint`` as hooks) before it is sharded, as torchtitan applies it."""
     from tfcli.parallel.units import find_units
 
-    out = _tracked(subject, lambda: subject.build("cpu"),
-                   lambda model: find_units(model, wrap).modules, world,
+    if checkpointing not in ("none", "full"):
+        raise TfcliError(f"checkpointing {checkpointing!r}: allowed: none, full")
+
+    def units(model):
+        found = find_units(model, wrap).modules
+        if checkpointing == "full":
+            from torch.distributed._composable import checkpoint
+
+            for unit in found:
+                checkpoint(unit)
+        return found
+
+    out = _tracked(subject, lambda: subject.build("cpu"), units, world,
                    sizes if isinstance(sizes, list) else [sizes], reshard_after_forward,
                    root_default=True, precision=precision, foreach=foreach)
     return out if isinstance(sizes, list) else out[0]
