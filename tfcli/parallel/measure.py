@@ -85,7 +85,7 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[d
     unit). ``foreach``: Adam's implementation (None: PyTorch's pick, the for-loop on the
     CPU). ``checkpointing``: "none", or "full": torch's activation checkpointing on each
     unit (``torch.distributed._composable.checkpoint``, non-reentrant
-    ``torch.utils.checkpoint`` as hooks) before it is sharded, as torchtitan applies it."""
+    ``torch.utils.checkpoint`` as hooks) before it is sharded."""
     from tfcli.parallel.units import find_units
 
     if checkpointing not in ("none", "full"):
