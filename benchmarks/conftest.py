@@ -148,17 +148,30 @@ os._exit(0)  # stdin closed: the session is over (no teardown of torch, about a 
         self.server.wait()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def processes(request):
-    """How commands run: fresh interpreters when measuring; in a smoke run
-    (--benchmark-disable) children of one interpreter that imported torch once, started with
-    the session so that its imports overlap the in-process benchmarks."""
+_FORKED = pytest.StashKey[ForkedProcesses]()
+
+
+def pytest_collection_finish(session) -> None:
+    """A smoke run (--benchmark-disable) whose selection runs commands starts their server as
+    soon as the tests are known, so that its imports overlap the in-process benchmarks; a
+    selection without any starts none."""
+    if session.config.getoption("benchmark_disable") and any(
+            "processes" in item.fixturenames for item in session.items):
+        session.config.stash[_FORKED] = ForkedProcesses()
+
+
+def pytest_unconfigure(config) -> None:
+    if _FORKED in config.stash:
+        config.stash[_FORKED].close()
+
+
+@pytest.fixture(scope="session")
+def processes(request) -> Processes:
+    """How commands run: fresh interpreters when measuring; in a smoke run children of one
+    interpreter that imported torch once (started at collection's end)."""
     if not request.config.getoption("benchmark_disable"):
-        yield Processes()
-        return
-    forked = ForkedProcesses()
-    yield forked
-    forked.close()
+        return Processes()
+    return request.config.stash[_FORKED]
 
 
 PYTHON = sys.executable
