@@ -161,6 +161,8 @@ class _GradientsApart:
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+# the saved kind of grouped-query attention's keys and values copied to every query head
+REPEATED = "repeated keys/values"
 BEFORE_UNITS = -1  # the owner of what is saved before the first unit runs
 
 
@@ -178,10 +180,37 @@ class _SavedTensors:
         self.owner: int | None = None  # the unit running now (see simulate_training_step)
         self.owners: dict[int, int] = {}  # id(storage) -> the unit that saved it first
         self.units_began = False  # a unit has run: what is saved outside one now is after it
+        # unit -> how many storages had been saved when its last attention call ended
+        self._core_end: dict[int, int] = {}
+        # the attention masks made in forward: id -> (the first unit using it, its storage as a
+        # weakref, its bytes)
+        self._masks: dict[int, tuple] = {}
 
     def on_op(self, op) -> None:
-        if op.shape and len(op.shape) >= 3 and op.kind in ("matmul", "sdpa"):
+        if op.shape and len(op.shape) >= 3 and (op.kind in ("matmul", "sdpa")
+                                                 or "repeated" in op.extra):
             self.ops.append(op)
+        if op.kind in ("weights·V", "sdpa") and self.owner is not None:
+            self._core_end[self.owner] = len(self.by_storage)
+        if "mask" in op.extra and self.owner is not None:
+            ref, nbytes = op.extra["mask"]
+            self._masks.setdefault(id(ref), (self.owner, ref, nbytes))  # its first unit
+
+    def after_attention(self, unit: int) -> int:
+        """The bytes unit ``unit`` saved after its last attention call ended (its output
+        projection's, its feed-forward's): freed in backward before that call's backward
+        begins."""
+        end = self._core_end.get(unit)
+        if end is None:
+            return 0
+        return sum(nbytes for i, (key, (nbytes, _)) in enumerate(self.by_storage.items())
+                   if i >= end and self.owners.get(key) == unit)
+
+    def _repeated(self) -> dict[int, tuple]:
+        """id(storage) of each attention call's keys or values that are a repeating copy
+        (grouped-query attention) -> (the copied storage, a weakref; its bytes)."""
+        return {copy: (source, nbytes) for op in self.ops if op.attention
+                for copy, source, nbytes in op.extra.get("repeated", ())}
 
     def pack(self, t: Tensor) -> Tensor:
         storage = storage_of(t)
@@ -201,13 +230,29 @@ class _SavedTensors:
         # [B, L, d_model] tensor with L = d_model is not taken for one
         scores = {(tuple(op.shape[-2:]), math.prod(op.shape)) for op in self.ops
                   if op.attention and op.kind != "weights·V"}
+        repeated = self._repeated()
         out: dict[str, int] = {}
         for key, (nbytes, tail) in self.by_storage.items():
             if unit is not None and self.owners.get(key) != unit:
                 continue
-            kind = "attention matrices" if tail in scores else "other"
+            kind = ("attention matrices" if tail in scores else
+                    REPEATED if key in repeated else "other")
             out[kind] = out.get(kind, 0) + nbytes
         return out
+
+    def core_inputs(self, unit: int) -> int:
+        """The bytes of what unit ``unit``'s attention core is called with that nothing saved
+        — what its repeated keys and values were copied from (the fewer K/V heads), a mask
+        made in forward (counted at the first unit using it): recomputing the core keeps
+        them alive until backward, instead of the copies."""
+        sources = {id(ref): (ref(), nbytes) for key, (ref, nbytes) in self._repeated().items()
+                   if key in self.by_storage and self.owners.get(key) == unit}
+        sources.update({key: (ref(), nbytes) for key, (first, ref, nbytes)
+                        in self._masks.items() if first == unit})
+        # a source that is gone was not saved (freed once copied); one alive may be saved
+        return sum(nbytes for source, nbytes in sources.values()
+                   if source is None or (id(source) not in self.by_storage
+                                         and id(source) not in self._existing))
 
 
 class _UnitsBackward:
@@ -336,6 +381,11 @@ class ActivationEstimate:
     # with units: what each saved for backward (by kind), and the bytes it was called with
     unit_saved: list[dict[str, int]] = field(default_factory=list)
     unit_inputs: list[int] = field(default_factory=list)
+    # with units: what each unit's attention core is called with, unsaved (the K/V heads its
+    # repeated keys/values were copied from, a mask); and what it saved after its last
+    # attention call (freed before that call's backward)
+    unit_core_inputs: list[int] = field(default_factory=list)
+    unit_after_attention: list[int] = field(default_factory=list)
     # the model's output held through backward (loop "keep-output") beyond what autograd saved
     held_output: int = 0
     # with units: what was saved for backward before the first unit ran (embeddings), by
@@ -422,6 +472,8 @@ def simulate_training_step(build: Callable[[], nn.Module],
                     del output
                 sums = saved.sums()
                 unit_saved = [saved.sums(i) for i in range(len(blocks))]
+                sources = [saved.core_inputs(i) for i in range(len(blocks))]
+                after = [saved.after_attention(i) for i in range(len(blocks))]
                 before = saved.sums(BEFORE_UNITS) if blocks else {}
                 with running(model, "backward pass", REPLAY):
                     out.backward()
@@ -431,7 +483,8 @@ def simulate_training_step(build: Callable[[], nn.Module],
                     handle.remove()
             if marks is not None:
                 marks.close()
-    estimate = ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, held, before)
+    estimate = ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, sources, after,
+                                  held, before)
     if marks is not None and marks.start_peak is not None:
         estimate = replace(estimate, start_peak=marks.start_peak, start_live=marks.start_live,
                            end_peak=marks.end_peak, late_root_numel=marks.late_numel,

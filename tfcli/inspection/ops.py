@@ -36,6 +36,12 @@ _ADDS = {Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, torch.add, Tensor.add
 # after the softmax (``w * keep``, ``w / w.sum(-1)``).
 _WEIGHT_STEPS = {F.dropout, Tensor.to, Tensor.type, Tensor.float, Tensor.contiguous,
                  Tensor.__mul__, Tensor.mul, torch.mul, Tensor.__truediv__, Tensor.div, torch.div}
+# What copies a tensor, and what repeats one: grouped-query attention gives each query head
+# its K/V head by copying the fewer K/V heads (Transformers' repeat_kv: an expanded view,
+# then reshape; tfcli's own: repeat_interleave)
+_COPIES = {Tensor.reshape, torch.reshape, Tensor.contiguous, Tensor.clone, torch.clone,
+           Tensor.flatten, torch.flatten}
+_REPEATS = {torch.repeat_interleave, Tensor.repeat_interleave, Tensor.repeat}
 
 
 def matmul_flops(a_shape, b_shape) -> int:
@@ -110,6 +116,11 @@ def _needs(t) -> int:
     return int(isinstance(t, Tensor) and t.requires_grad)
 
 
+def _storage(t: Tensor):
+    """The storage a tensor's bytes live in (a DTensor's: its local shard's)."""
+    return getattr(t, "_local_tensor", t).untyped_storage()
+
+
 def _is_activation(t) -> bool:
     return isinstance(t, Tensor) and not isinstance(t, nn.Parameter)
 
@@ -162,6 +173,9 @@ class OpObserver(TorchFunctionMode):
         self.keep_values = keep_values
         self._scores = _ByTensor()  # tensor -> (scores op, what its masking blocked so far)
         self._weights = _ByTensor()  # softmax outputs, and what merely moved or masked them
+        # id(storage) of a copy that repeats an activation -> (its storage, weakly; the bytes
+        # repeated; the copy's bytes): attention operands that are such copies are recorded
+        self._repeats: dict[int, tuple[weakref.ref, int, int]] = {}
         self._aten = _AtenOps(self) if every_formula else None
         self._inner: list | None = None  # aten operations of the call under way
         self._counted = False  # whether tfcli counted FLOPs of that call itself
@@ -247,9 +261,10 @@ class OpObserver(TorchFunctionMode):
             elif a in self._weights:  # softmax output (or its dropout) @ V
                 self._applied(a)
                 self._emit(Op("weights·V", list(out.shape), flops, attention=True,
-                              backward=backward))
+                              backward=backward, extra=self._repeated(b)))
             else:  # a product of two activations: scores if a softmax takes it next
-                op = Op("matmul", list(out.shape), flops, attention=False, backward=backward)
+                op = Op("matmul", list(out.shape), flops, attention=False, backward=backward,
+                        extra=self._repeated(b))
                 self._scores[out] = (op, None)
                 self._emit(op)
         elif func in _GROUPED:
@@ -265,9 +280,11 @@ class OpObserver(TorchFunctionMode):
             pair = len(operands) == 2 and all(_is_activation(t) for t in operands)
             if pair and operands[0] in self._weights:  # "bhqk,bhkd->bhqd": weights·V
                 self._applied(operands[0])
-                self._emit(Op("weights·V", list(out.shape), flops, True, backward=backward))
+                self._emit(Op("weights·V", list(out.shape), flops, True, backward=backward,
+                              extra=self._repeated(operands[1])))
             elif pair:  # "bhqd,bhkd->bhqk": scores if a softmax takes them next
-                op = Op("matmul", list(out.shape), flops, backward=backward)
+                op = Op("matmul", list(out.shape), flops, backward=backward,
+                        extra=self._repeated(operands[1]))
                 self._scores[out] = (op, None)
                 self._emit(op)
             else:
@@ -290,10 +307,12 @@ class OpObserver(TorchFunctionMode):
         elif func in _FILLS and args[0] in self._scores:
             mask = args[1]
             self._carry(args[0], out, mask if self.keep_values else None, "filled")
-            self._emit(Op("mask", list(mask.shape), note="filled into the scores"))
+            self._emit(Op("mask", list(mask.shape), note="filled into the scores",
+                          extra=self._mask_kept(mask)))
         elif func is torch.where and len(args) == 3 and args[1] in self._scores:
             self._carry(args[1], out, ~args[0].bool() if self.keep_values else None, "where")
-            self._emit(Op("mask", list(args[0].shape), note="selects the scores"))
+            self._emit(Op("mask", list(args[0].shape), note="selects the scores",
+                          extra=self._mask_kept(args[0])))
         elif func in _ADDS and len(args) >= 2:
             a, b = args[0], args[1]
             if a in self._scores:
@@ -305,7 +324,8 @@ class OpObserver(TorchFunctionMode):
             if isinstance(mask, Tensor) and mask.dim() >= 2:
                 blocked = _blocked_from_additive(mask) if self.keep_values else None
                 self._carry(src, out, blocked, "added")
-                self._emit(Op("mask", list(mask.shape), note="added to the scores"))
+                self._emit(Op("mask", list(mask.shape), note="added to the scores",
+                              extra=self._mask_kept(mask)))
             else:
                 self._carry(src, out, None, "")
         elif func in _SOFTMAX and args[0] in self._scores:
@@ -338,6 +358,42 @@ class OpObserver(TorchFunctionMode):
                 and args[0] in self._scores:
             # scaling, capping (Gemma 2's tanh), shifting by the row maximum, reshaping
             self._carry(args[0], out, None, "")
+        elif func in _COPIES or func in _REPEATS:
+            self._note_repeat(func, args[0], out)
+
+    def _note_repeat(self, func, src, out) -> None:
+        """``out`` a copy of ``src`` that repeats its elements (an expanded view copied, or a
+        repeat): noted by storage, for the attention operands that are such copies."""
+        if not (_is_activation(src) and isinstance(out, Tensor)):
+            return
+        distinct = (src.numel() if func in _REPEATS else
+                    math.prod(n for n, step in zip(src.shape, src.stride()) if step != 0))
+        if distinct < out.numel() and (func in _REPEATS or distinct < src.numel()):
+            copy = _storage(out)
+            self._repeats[id(copy)] = (weakref.ref(_storage(src)),
+                                       distinct * src.element_size(), copy.nbytes())
+
+    def _mask_kept(self, mask) -> dict:
+        """``{"mask": (its storage, a weakref; its bytes)}``: a mask the attention core is
+        called with, which recomputing the core keeps alive until backward."""
+        if not _is_activation(mask):
+            return {}
+        storage = _storage(mask)
+        return {"mask": (weakref.ref(storage), storage.nbytes())}
+
+    def _repeated(self, *operands) -> dict:
+        """``{"repeated": [(id(storage), its source's storage (a weakref), bytes repeated)]}`` for
+        the operands (keys, values) that are repeating copies (grouped-query attention's
+        K/V heads), else {}: what recomputing the attention core would not keep."""
+        found = []
+        for t in operands:
+            if not isinstance(t, Tensor):
+                continue
+            storage = _storage(t)
+            noted = self._repeats.get(id(storage))
+            if noted is not None and noted[2] == storage.nbytes():
+                found.append((id(storage), noted[0], noted[1]))
+        return {"repeated": found} if found else {}
 
     def _sinks(self, parts, dim: int, out) -> None:
         """Scores with extra key columns appended (GPT-OSS's attention sinks: a learned logit
@@ -398,7 +454,7 @@ class OpObserver(TorchFunctionMode):
         op = Op("sdpa", scores, sdpa_flops(q, k, v), attention=True, backward=backward,
                 extra={"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
                        "mask": list(mask.shape) if isinstance(mask, Tensor) else None,
-                       "is_causal": causal, "out": list(out.shape)})
+                       "is_causal": causal, "out": list(out.shape), **self._repeated(k, v)})
         if self.keep_values:  # unmasked too: the check compares them with the asserted pattern
             op.weights, op.blocked = _sdpa_weights(q, k, mask, causal, bound.get("scale"))
         self._emit(op)

@@ -298,9 +298,9 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
                       sb: Policy) -> tuple[list[Line], int]:
     """The stage's activation lines and one block's kept bytes (for the peak's moments)."""
     flight = in_flight(pp, st.index, m)
-    every, how = kept_per_unit(estimate, checkpointing)
+    every, how, again, what = kept_per_unit(estimate, checkpointing)
     kept = [every[i] for i in st.blocks]
-    saved = [sum(estimate.unit_saved[i].values()) for i in st.blocks]
+    recomputed = [again[i] for i in st.blocks]
     why = f"min(P - s, M) = min({pp} - {st.index}, {m})"
     out = [Line("pipeline send/recv", 2 * _handed_over(st, estimate, pp),
                 f"{sb.tag()} one activation and one gradient in transit to or from the "
@@ -309,10 +309,9 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
            Line("activations: layers", flight * sum(kept),
                 f"{len(kept)} block(s) × {flight} micro-batch(es) in flight ({why}): {how}; "
                 f"largest {max(kept):,} B per micro-batch", "activations")]
-    if checkpointing == "full":
-        out.append(Line("activations: recomputed layer", max(saved),
-                        "the stage's largest block's activations while it is recomputed for "
-                        "backward", "activations"))
+    if any(recomputed):
+        out.append(Line("activations: recomputed layer", max(recomputed),
+                        f"the stage's largest block's {what}", "activations"))
     if st.index < pp - 1:
         out.append(Line("activations: stage outputs", flight * _handed_over(st, estimate, pp),
                         f"the stage's output (the hidden state) of each of {flight} "

@@ -322,14 +322,13 @@ class TracedModel:
         saved = [sum(kinds.values()) for kinds in estimate.unit_saved]
         in_units = sum(saved)
         count = len(saved)
-        kept, how = kept_per_unit(estimate, checkpointing)
+        kept, how, recomputed, what = kept_per_unit(estimate, checkpointing)
         out = [Line("activations: layers", sum(kept),
                     f"{count} unit(s): {how}" + (f"; largest {max(kept):,} B" if kept else ""),
                     "activations")]
-        if checkpointing == "full" and saved:
-            out.append(Line("activations: recomputed layer", max(saved),
-                            "the largest unit's activations while it is recomputed for "
-                            "backward", "activations"))
+        if any(recomputed):
+            out.append(Line("activations: recomputed layer", max(recomputed),
+                            f"the largest unit's {what}", "activations"))
         outside = sum(estimate.saved_bytes.values()) - in_units
         out.append(Line("activations: outside the units", outside,
                         "what the modules outside the units (embeddings, head, loss) saved "
@@ -519,20 +518,45 @@ class TracedModel:
         return Peak(moments[moment], moment, moments, how)
 
 
-def kept_per_unit(estimate, checkpointing: str) -> tuple[list[int], str]:
-    """What each unit keeps for backward under ``checkpointing``, and how, in words."""
+def kept_per_unit(estimate, checkpointing: str) -> tuple[list[int], str, list[int], str]:
+    """What each unit keeps for backward under ``checkpointing``, and how, in words; and what
+    each unit's recomputation holds while it runs in backward, and what that is."""
+    from tfcli.inspection.memory import REPEATED
+
     saved = [sum(kinds.values()) for kinds in estimate.unit_saved]
     if checkpointing == "full":
         return (list(estimate.unit_inputs),
-                "each unit's input (the tensors it is called with), kept; the rest recomputed")
+                "each unit's input (the tensors it is called with), kept; the rest recomputed",
+                saved, "activations while it is recomputed for backward")
     if checkpointing == "selective":
+        # the attention core (Megatron-LM's selective recomputation: Q·Kᵀ, softmax, dropout,
+        # weights·V) run again in backward: what it saved goes, the tensors it is called
+        # with stay (with grouped-query attention, the K/V heads before their copies)
         attention = [kinds.get("attention matrices", 0) for kinds in estimate.unit_saved]
-        return ([s - a for s, a in zip(saved, attention)],
-                "what each unit saved for backward, less its attention matrices (recomputed)"
-                if any(attention) else
-                "what each unit saved for backward: its attention kernel keeps no attention "
-                "matrices, so selective recomputation saves nothing here")
-    return saved, "what each unit saved for backward in the replay"
+        repeated = [kinds.get(REPEATED, 0) for kinds in estimate.unit_saved]
+        sources = estimate.unit_core_inputs or [0] * len(saved)
+        core = [a + r for a, r in zip(attention, repeated)]
+        kept = [s - c + k for s, c, k in zip(saved, core, sources)]
+        dropped = ["the attention matrices"] if any(attention) else []
+        if any(repeated):
+            dropped.append(f"the K/V heads copied for grouped-query attention "
+                           f"({sum(repeated):,} B)")
+        if dropped:
+            how = (("its attention kernel keeps no attention matrices; " if not any(attention)
+                    else "")
+                   + f"what each unit saved for backward, less its attention core's "
+                     f"({' and '.join(dropped)}; recomputed), plus what the core is called "
+                     f"with that nothing else saved ({sum(sources):,} B: kept for it)")
+        else:
+            how = ("what each unit saved for backward: its attention kernel keeps no "
+                   "attention matrices, so selective recomputation saves nothing here")
+        # recomputed as its backward reaches the attention call, once what the unit saved
+        # after that call (output projection, feed-forward) has been freed
+        after = estimate.unit_after_attention or [0] * len(saved)
+        what = ("attention core while it is recomputed for backward, less what the unit "
+                "saved after it (freed by then)")
+        return kept, how, [max(c - a, 0) for c, a in zip(core, after)], what
+    return saved, "what each unit saved for backward in the replay", [0] * len(saved), ""
 
 
 def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
