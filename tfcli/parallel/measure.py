@@ -14,6 +14,7 @@ torch's figures, not tfcli's: the tests hold :mod:`tfcli.parallel.plan` to them.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -83,27 +84,73 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[d
     ``precision``: None (fp32), "autocast" (the step under torch.autocast bf16) or
     "fsdp-mixed" (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on every
     unit). ``foreach``: Adam's implementation (None: PyTorch's pick, the for-loop on the
-    CPU). ``checkpointing``: "none", or "full": torch's activation checkpointing on each
-    unit (``torch.distributed._composable.checkpoint``, non-reentrant
-    ``torch.utils.checkpoint`` as hooks) before it is sharded."""
+    CPU). ``checkpointing``: "none"; "full": torch's activation checkpointing on each unit
+    (``torch.distributed._composable.checkpoint``, non-reentrant ``torch.utils.checkpoint``
+    as hooks) before it is sharded; "selective": non-reentrant ``torch.utils.checkpoint``
+    around each call of the attention core of a Transformers model run with its eager
+    attention (see _attention_core_checkpointed)."""
     from tfcli.parallel.units import find_units
 
-    if checkpointing not in ("none", "full"):
-        raise TfcliError(f"checkpointing {checkpointing!r}: allowed: none, full")
+    if checkpointing not in ("none", "full", "selective"):
+        raise TfcliError(f"checkpointing {checkpointing!r}: allowed: none, full, selective")
+    if checkpointing == "selective" and getattr(subject, "attention", None) != "eager":
+        raise TfcliError("checkpointing 'selective' wraps Transformers' eager attention: "
+                         "resolve the subject with attn_implementation='eager'")
 
-    def units(model):
-        found = find_units(model, wrap).modules
-        if checkpointing == "full":
-            from torch.distributed._composable import checkpoint
+    with _attention_core_checkpointed(checkpointing == "selective") as checkpoint_core:
+        def units(model):
+            found = find_units(model, wrap).modules
+            if checkpointing == "full":
+                from torch.distributed._composable import checkpoint
 
-            for unit in found:
-                checkpoint(unit)
-        return found
+                for unit in found:
+                    checkpoint(unit)
+            checkpoint_core(model)
+            return found
 
-    out = _tracked(subject, lambda: subject.build("cpu"), units, world,
-                   sizes if isinstance(sizes, list) else [sizes], reshard_after_forward,
-                   root_default=True, precision=precision, foreach=foreach)
+        out = _tracked(subject, lambda: subject.build("cpu"), units, world,
+                       sizes if isinstance(sizes, list) else [sizes], reshard_after_forward,
+                       root_default=True, precision=precision, foreach=foreach)
     return out if isinstance(sizes, list) else out[0]
+
+
+def _checkpointed(core, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(core, *args, use_reentrant=False, **kwargs)
+
+
+@contextlib.contextmanager
+def _attention_core_checkpointed(on: bool):
+    """Selective activation recomputation as Megatron-LM defines it (Korthikanti et al.,
+    2022: Q·Kᵀ, softmax, its dropout and weights·V recomputed in backward, nothing else), put
+    on a Transformers model by torch's own checkpointing: yields a function that, given the
+    built model (with ``on``), replaces its modeling modules' ``eager_attention_forward``
+    (the function their attention layers call for the core, with grouped-query attention's
+    K/V copies) by one run under non-reentrant ``torch.utils.checkpoint``. Put back on
+    exit."""
+    import sys
+
+    patched: dict = {}
+
+    def patch(model) -> None:
+        if not on:
+            return
+        for module in model.modules():
+            home = sys.modules.get(type(module).__module__)
+            core = getattr(home, "eager_attention_forward", None)
+            if core is not None and home not in patched:
+                patched[home] = core
+                home.eager_attention_forward = functools.partial(_checkpointed, core)
+        if not patched:
+            raise TfcliError("checkpointing 'selective': the model's modules have no "
+                             "eager_attention_forward (Transformers' eager attention core)")
+
+    try:
+        yield patch
+    finally:
+        for home, core in patched.items():
+            home.eager_attention_forward = core
 
 
 def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
