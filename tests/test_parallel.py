@@ -801,11 +801,10 @@ TRACED_SIZES = [(2, 32), (1, 8)]  # (batch, length): activations large, then sma
 TRACED_WORLDS = [2, 4, 8]
 # (model, N) run again with torch's own activation checkpointing on every unit, at TRACED_SIZES
 CHECKPOINTED = [("llama", 2), ("gpt2", 4), ("user", 8)]
-# (model, N) run with Transformers' eager attention, without checkpointing and with the
-# attention core under torch's checkpointing (selective recomputation), at SELECTIVE_SIZES:
-# grouped-query attention (Llama, Gemma: 4 query heads, 2 K/V) and GPT-2's attention dropout
-SELECTIVE = [("llama", 2), ("gpt2", 4), ("gemma", 8)]
-SELECTIVE_SIZES = [(2, 32), (1, 64)]
+# (model, N, B, L) run with Transformers' eager attention, without checkpointing and with the
+# attention core under torch's checkpointing (selective recomputation): grouped-query
+# attention (Llama, Gemma: 4 query heads, 2 K/V) and GPT-2's attention dropout
+SELECTIVE = [("llama", 2, 2, 32), ("gpt2", 4, 1, 64), ("gemma", 8, 1, 64)]
 
 
 def _traced_files(where) -> dict[str, list[str]]:
@@ -916,14 +915,12 @@ def _traced_script() -> str:
                 checkpointing="full")
             for (b, s), figures in zip({TRACED_SIZES!r}, measured):
                 out[f"{{name}}/{{n}}/{{b}}x{{s}}/full"] = figures
-        for name, n in {SELECTIVE!r}:
+        for name, n, b, s in {SELECTIVE!r}:
             subject = resolve_subject(model={files!r}[name][1], attn_implementation="eager")
             for checkpointing in ("none", "selective"):
-                measured = fsdp_fake_memory_subject(
-                    subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {SELECTIVE_SIZES!r}],
-                    checkpointing=checkpointing)
-                for (b, s), figures in zip({SELECTIVE_SIZES!r}, measured):
-                    out[f"{{name}}/{{n}}/{{b}}x{{s}}/eager/{{checkpointing}}"] = figures
+                out[f"{{name}}/{{n}}/{{b}}x{{s}}/eager/{{checkpointing}}"] = \
+                    fsdp_fake_memory_subject(subject, n, {{"B": b, "S": s, "T": s, "L": s}},
+                                             checkpointing=checkpointing)
         for name, args in {heavy!r}.items():  # N = 4, B = 1, L = 8
             subject = resolve_subject(model=args[1])
             for precision in {HEAVY_PRECISIONS!r}:
@@ -1011,11 +1008,10 @@ def eager_models(traced_fsdp):
 
     return {name: TracedModel(resolve_subject(model=traced_fsdp["files"][name][1],
                                               attn_implementation="eager"))
-            for name, _ in SELECTIVE}
+            for name, *_ in SELECTIVE}
 
 
-@pytest.mark.parametrize("name,n", SELECTIVE)
-@pytest.mark.parametrize("b,s", SELECTIVE_SIZES)
+@pytest.mark.parametrize("name,n,b,s", SELECTIVE)
 def test_selective_checkpointing_agrees_with_torch_checkpointing_the_attention_core(
         traced_fsdp, eager_models, name, n, b, s):
     """--checkpointing selective (the attention core recomputed, as Megatron-LM's selective
