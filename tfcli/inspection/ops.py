@@ -173,9 +173,10 @@ class OpObserver(TorchFunctionMode):
         self.keep_values = keep_values
         self._scores = _ByTensor()  # tensor -> (scores op, what its masking blocked so far)
         self._weights = _ByTensor()  # softmax outputs, and what merely moved or masked them
-        # id(storage) of a copy that repeats an activation -> (its storage, weakly; the bytes
-        # repeated; the copy's bytes): attention operands that are such copies are recorded
-        self._repeats: dict[int, tuple[weakref.ref, int, int]] = {}
+        # id(storage) of a copy that repeats an activation -> (the copy's storage and its
+        # source's, weakly; the bytes repeated): attention operands that are such copies are
+        # recorded
+        self._repeats: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
         self._aten = _AtenOps(self) if every_formula else None
         self._inner: list | None = None  # aten operations of the call under way
         self._counted = False  # whether tfcli counted FLOPs of that call itself
@@ -370,8 +371,8 @@ class OpObserver(TorchFunctionMode):
                     math.prod(n for n, step in zip(src.shape, src.stride()) if step != 0))
         if distinct < out.numel() and (func in _REPEATS or distinct < src.numel()):
             copy = _storage(out)
-            self._repeats[id(copy)] = (weakref.ref(_storage(src)),
-                                       distinct * src.element_size(), copy.nbytes())
+            self._repeats[id(copy)] = (weakref.ref(copy), weakref.ref(_storage(src)),
+                                       distinct * src.element_size())
 
     def _mask_kept(self, mask) -> dict:
         """``{"mask": (its storage, a weakref; its bytes)}``: a mask the attention core is
@@ -391,8 +392,8 @@ class OpObserver(TorchFunctionMode):
                 continue
             storage = _storage(t)
             noted = self._repeats.get(id(storage))
-            if noted is not None and noted[2] == storage.nbytes():
-                found.append((id(storage), noted[0], noted[1]))
+            if noted is not None and noted[0]() is storage:  # not a freed copy's id, reused
+                found.append((id(storage), noted[1], noted[2]))
         return {"repeated": found} if found else {}
 
     def _sinks(self, parts, dim: int, out) -> None:
