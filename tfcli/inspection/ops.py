@@ -371,6 +371,8 @@ class OpObserver(TorchFunctionMode):
                     math.prod(n for n, step in zip(src.shape, src.stride()) if step != 0))
         if distinct < out.numel() and (func in _REPEATS or distinct < src.numel()):
             copy = _storage(out)
+            if len(self._repeats) > 4096:  # forget the freed
+                self._repeats = {k: v for k, v in self._repeats.items() if v[0]() is not None}
             self._repeats[id(copy)] = (weakref.ref(copy), weakref.ref(_storage(src)),
                                        distinct * src.element_size())
 
