@@ -3,7 +3,8 @@
 :func:`fsdp_fake_memory` shards tfcli's model with FSDP2 ``fully_shard`` (one unit per layer and
 the root) on torch.distributed's fake process group — a world of N ranks in one process, whose
 collectives do nothing — and runs training steps under FakeTensorMode (no memory is
-allocated; the optimizer's first step, then one measured step at each size asked) inside
+allocated; the optimizer's state made by a step on zero gradients, then one measured step
+at each size asked) inside
 ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts every live tensor
 into sharded/unsharded parameters, gradients, optimizer state, activations,
 temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
@@ -172,13 +173,16 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
              reshard_after_forward: bool, root_default: bool = False,
              precision: str | None = None, foreach: bool | None = None) -> list[dict]:
     """One model sharded once, and under FSDPMemTracker a steady-state training step at each
-    of ``sizes`` in turn: at the first, two steps (the first creates the optimizer state, the
-    second is measured); at each later one a single step, the tracker entered again (which
-    starts its peak afresh) with the optimizer state it already knows. Each size's figures
-    equal those of a model of its own put through both steps (checked on the tracker cases
-    of tests/test_parallel.py, to the byte), for one step less each. ``root_default``: the
-    root unit as fully_shard leaves it by default, gathered from forward to backward (else
-    it is resharded like the layers); ``precision``: see :func:`fsdp_fake_memory_subject`."""
+    of ``sizes`` in turn: before the first, the model and optimizer brought to where a step
+    leaves them (_as_after_a_step: no forward or backward run for it); at each size one
+    measured step, the tracker entered again (which starts its peak afresh) with the
+    optimizer state it already knows. Each size's figures equal, category by category and to
+    the byte, those of real steps (a first step, then the measured one; compared on every
+    tracker case of tests/test_parallel.py when this was written, and held so by its
+    test_the_measured_step_is_the_step_after_a_real_one), for a step less.
+    ``root_default``: the root unit as fully_shard leaves it by default, gathered from
+    forward to backward (else it is resharded like the layers); ``precision``: see
+    :func:`fsdp_fake_memory_subject`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -203,23 +207,50 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
                 tracker.track_inputs(tuple(inputs.tensors()))
                 snapshots = {}
                 with tracker:
-                    for measured in ((False, True) if first else (True,)):
-                        with amp():
-                            loss = subject.loss(inputs(model))
-                        loss.backward()
-                        if measured:
-                            snapshots["after_backward"] = _by_name(
-                                tracker.get_tracker_snapshot())
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        del loss
-                        if not measured:
-                            tracker.reset_mod_stats()
+                    if first:
+                        _as_after_a_step(model, optimizer, tracker)
+                    with amp():
+                        loss = subject.loss(inputs(model))
+                    loss.backward()
+                    snapshots["after_backward"] = _by_name(tracker.get_tracker_snapshot())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    del loss
                     snapshots["peak"] = _by_name(tracker.get_tracker_snapshot("peak"))
                     snapshots["largest"] = _largest(tracker)
                 tracker.reset_mod_stats()
                 out.append(snapshots)
     return out
+
+
+def _as_after_a_step(model, optimizer, tracker) -> None:
+    """Inside ``tracker``, bring a freshly sharded model to where one training step leaves it,
+    without running one (a step through fake dispatch and the tracker costs about a second
+    of CPU for a small model): the optimizer state, by a step on zero gradients; each unit's
+    unsharded parameters, gathered once and resharded, their storages (freed to zero bytes,
+    kept) known to the tracker as unsharded parameters. Without that the next forward makes
+    them anew inside the unit's pre-forward hook, where the tracker counts them as
+    activations until the hook returns: its peak, when it falls at that moment, has the
+    same total but a unit's gathered weights under "Activation" (seen on 9 of the tests'
+    per-category figures). The module statistics start afresh afterwards."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    tracker._update_and_maybe_create_winfos(fsdp_param.unsharded_param,
+                                                            _FSDPRefType.UNSHARDED_PARAM)
+            module.reshard()
+    tracker.reset_mod_stats()
 
 
 def tp_fake_layer_activations(cfg: Config, t: int, batch: int, seq_len: int) -> list[int]:
