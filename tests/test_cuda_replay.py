@@ -210,15 +210,20 @@ def test_sdpa_math_with_dropout_keeps_a_bool_mask_for_the_noise():
     assert len(cuda) == len(cpu)  # nothing else changes
 
 
-def test_params_device_cuda_math_kernel_keeps_9_bytes_per_score(cli):
+@pytest.mark.parametrize("length", [16, 8])
+def test_params_device_cuda_math_kernel_keeps_9_bytes_per_score(cli, length):
     """tiny (dropout 0.1, 6 attention calls: encoder, decoder self and cross, 2 layers each):
     softmax output (fp32, the math kernel upcasts) 4 + dropout mask 1 + dropped weights 4
-    bytes per score element on CUDA; the CPU keeps an fp32 noise tensor for the mask (12)."""
+    bytes per score element on CUDA; the CPU keeps an fp32 noise tensor for the mask (12).
+    At L = 8, the head width, queries and keys [B, h, L, d_k] have the scores' shape: they
+    are not counted (they were, 2x the figure, before the matrices were told by what made
+    them)."""
     from tfcli.inspection.memory import estimate_activations
     from tfcli.model.presets import get_preset
     from tfcli.subjects.own import OwnSubject
 
-    batch, length, heads, calls = 2, 16, 4, 6
+    assert get_preset("tiny").d_k == 8
+    batch, heads, calls = 2, 4, 6
     elements = calls * batch * heads * length * length
     data = json.loads(cli("params", "--preset", "tiny", "--seq-len", str(length), "--batch-size",
                           str(batch), "--device", "cuda", "--attention-kernel", "math",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +175,34 @@ def test_activation_estimate_matches_a_real_cpu_peak(name, overrides, batch, len
     loss = OwnSubject(cfg).loss
     measured = profile_peak_bytes(lambda: loss(model(**inputs)).backward())
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.01)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("model,inputs,attention,kernel", [
+    ("hf:llama-tiny", None, "eager", "auto"),  # grouped-query attention, rotary: head width 16
+    ("hf:llama-tiny", None, None, "math"),  # SDPA's math kernel: scaled copies of Q and K
+    ("tutorial_transformer.py:build", ["src=int64[B,S]", "tgt=int64[B,T]"], None, "auto"),
+])
+def test_attention_matrices_grow_as_the_square_of_the_length_through_the_head_width(
+        model, inputs, attention, kernel):
+    """The "attention matrices" line is the quadratic term (its own words: ∝ L²): a quarter
+    at half the length, on either side of the head width d_k = 16, where a query, a key or
+    a copy of V, [B, h, L, d_k], has the scores' shape [B, h, L, L] (taken for a score
+    matrix before: 4x the figure at L = 16 for Llama on the math kernel)."""
+    from tfcli.subjects import resolve_subject
+
+    where = f"hf:{EXAMPLES / model[3:]}" if model.startswith("hf:") else f"{EXAMPLES / model}"
+    subject = resolve_subject(model=where, inputs=inputs, attn_implementation=attention or "auto")
+
+    def matrices(length: int) -> int:
+        sizes = {"B": 2, "S": length, "T": length, "L": length}
+        estimate, _ = estimate_activations(subject, sizes, kernel=kernel)
+        return estimate.saved_bytes.get("attention matrices", 0)
+
+    eight, sixteen, thirty_two = matrices(8), matrices(16), matrices(32)
+    assert eight > 0 and sixteen == 4 * eight and thirty_two == 4 * sixteen
 
 
 # A user's module that reduces a parameter where it uses it: the gradient arrives as a broadcast

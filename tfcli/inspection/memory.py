@@ -76,6 +76,7 @@ class _LiveStorages(TorchDispatchMode):
 
     watch: Callable[[], None] | None = None
     apart: "_GradientsApart | None" = None  # a second count, gradients left out
+    saved: _SavedTensors | None = None  # told of each operation and allocation
 
     def __init__(self, existing: list[Tensor]) -> None:
         super().__init__()
@@ -97,6 +98,8 @@ class _LiveStorages(TorchDispatchMode):
             fake = getattr(args[0], "fake_mode", None)
             if fake is not None and not fake.in_kernel_invocation:
                 return args[0].fake_device
+        if self.saved is not None:
+            self.saved.before(func, args)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
@@ -109,6 +112,8 @@ class _LiveStorages(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                     if self.apart is not None:
                         self.apart.allocated(key, nbytes)
+                    if self.saved is not None:
+                        self.saved.made(key, t)
                     self._allocated(key, nbytes, t, func)
                     if self.watch is not None:
                         self.watch()
@@ -166,10 +171,25 @@ REPEATED = "repeated keys/values"
 BEFORE_UNITS = -1  # the owner of what is saved before the first unit runs
 
 
+_aten = torch.ops.aten
+# the operations that begin an attention core's matrices (the scores' softmax) and those that
+# end it (the product with V; every matrix product, at the aten level: linear, matmul and
+# einsum arrive as these)
+_SOFTMAXES = {_aten._softmax.default, _aten._safe_softmax.default, _aten._log_softmax.default}
+_PRODUCTS = {_aten.bmm.default, _aten.mm.default, _aten.baddbmm.default, _aten.addmm.default,
+             *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
+
+
 class _SavedTensors:
-    """Records each distinct storage autograd saves for backward. A saved tensor whose last two
-    dimensions are an attention call's (queries, keys) — seen by an OpObserver as the model
-    runs — is an attention matrix: the quadratic term."""
+    """Records each distinct storage autograd saves for backward. A saved tensor made from the
+    attention weights — between the scores' softmax and the next matrix product, from the
+    softmax's output: dropout, casts, masking, copies for the product; and any boolean made
+    there, a dropout mask — whose last two dimensions and size are an attention call's
+    scores (queries × keys, seen by an OpObserver as the model runs) is an attention matrix:
+    the quadratic term. Shape alone is not enough: at a length equal to the head width a
+    query, a key, the math kernel's scaled copies of them or of V, [B, h, L, d], have the
+    scores' shape [B, h, L, L]. The replay's _LiveStorages tells it what each operation is
+    given and makes (``before``, ``made``)."""
 
     def __init__(self, existing: list[Tensor]) -> None:
         # id(storage) -> (bytes, last two dims). Holding the storage objects themselves would
@@ -185,6 +205,28 @@ class _SavedTensors:
         # the attention masks made in forward: id -> (the first unit using it, its storage as a
         # weakref, its bytes)
         self._masks: dict[int, tuple] = {}
+        self._in_core = False  # a softmax ran and no matrix product since
+        self._from_weights = False  # the operation under way is given the weights
+        # id(storage) -> whether it was made from the weights (or is a mask made with them),
+        # for every storage made (a new storage with a freed one's id replaces its entry)
+        self._from_softmax: dict[int, bool] = {}
+
+    def before(self, func, args) -> None:
+        """The replay is about to run aten operation ``func`` on ``args``."""
+        if func in _SOFTMAXES:
+            self._in_core = self._from_weights = True
+        elif func in _PRODUCTS or not self._in_core:
+            self._in_core = self._from_weights = False
+        else:  # between the softmax and the product: what is made from the weights
+            self._from_weights = any(self._from_softmax.get(id(storage_of(t)), False)
+                                     for t in tree_flatten(args)[0] if isinstance(t, Tensor))
+
+    def made(self, key: int, t: Tensor) -> None:
+        """The operation under way made storage ``key``, for ``t``."""
+        # a boolean made there is a dropout mask, whatever it was made from (SDPA's math
+        # kernel given one negates it)
+        self._from_softmax[key] = self._from_weights or (self._in_core and
+                                                         t.dtype == torch.bool)
 
     def on_op(self, op) -> None:
         if op.shape and len(op.shape) >= 3 and (op.kind in ("matmul", "sdpa")
@@ -215,7 +257,9 @@ class _SavedTensors:
     def pack(self, t: Tensor) -> Tensor:
         storage = storage_of(t)
         if id(storage) not in self._existing and id(storage) not in self.by_storage:
-            tail = (tuple(t.shape[-2:]), t.numel()) if t.dim() >= 3 else None
+            # what an attention matrix is recognised by (see sums), for a candidate only
+            tail = (tuple(t.shape[-2:]), t.numel()) if t.dim() >= 3 and \
+                self._from_softmax.get(id(storage), False) else None
             self.by_storage[id(storage)] = (storage.nbytes(), tail)
             if self.owner is not None:
                 self.owners[id(storage)] = self.owner
@@ -235,8 +279,8 @@ class _SavedTensors:
         for key, (nbytes, tail) in self.by_storage.items():
             if unit is not None and self.owners.get(key) != unit:
                 continue
-            kind = ("attention matrices" if tail in scores else
-                    REPEATED if key in repeated else "other")
+            kind = (REPEATED if key in repeated else
+                    "attention matrices" if tail in scores else "other")
             out[kind] = out.get(kind, 0) + nbytes
         return out
 
@@ -438,6 +482,7 @@ def simulate_training_step(build: Callable[[], nn.Module],
                     *inputs.tensors()]
         saved = _SavedTensors(existing)
         live = _LiveStorages(existing)
+        live.saved = saved
         # Autograd accumulates into .grad in place only when nothing else references it:
         # keeping these references would make the replay take the out-of-place path.
         del existing
@@ -666,6 +711,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         live = _LiveStorages(existing) if timeline is None else \
             timeline.start(existing, model, opt, inputs.tensors())
         saved = _SavedTensors(existing) if activations else None
+        live.saved = saved
         del existing, state
         amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
