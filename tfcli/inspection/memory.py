@@ -68,6 +68,10 @@ def _output_bytes(output, skip: set[int]) -> int:
 
 
 _DEVICE = torch.ops.prim.device.default
+# a functional collective's wait (DTensor's redistributions under tensor parallelism); none
+# in a torch built without distributed
+_WAIT = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT = getattr(_WAIT, "default", None)
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -98,6 +102,8 @@ class _LiveStorages(TorchDispatchMode):
             fake = getattr(args[0], "fake_mode", None)
             if fake is not None and not fake.in_kernel_invocation:
                 return args[0].fake_device
+        if func is _WAIT:  # its fake implementation copies; a real wait allocates nothing
+            return args[0]
         if self.saved is not None:
             self.saved.before(func, args)
         out = func(*args, **(kwargs or {}))
