@@ -116,14 +116,106 @@ def tracked(tp_models) -> dict:
     return out
 
 
+def torchtitan_sequence_parallel(model, mesh) -> None:
+    """Sequence parallelism for a Transformers Llama or Qwen2 written with torch's own
+    ParallelStyles, layer by layer as torchtitan's Llama plan writes it, not with tfcli's
+    split: the norms SequenceParallel, attention and MLP gathering their input with
+    PrepareModuleInput (attention is called with keyword arguments), the row-split projections
+    and the embedding reduce-scattering to Shard(1), the head gathering its input. One
+    change for Transformers' code: the residual stream stays a DTensor
+    (use_local_output=False), since the model builds its mask and positions from the
+    embedding output's shape."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    seq, whole = Shard(1), Replicate()
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq,
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole)}
+    for i in range(len(model.model.layers)):
+        layer = f"model.layers.{i}"
+        plan.update({
+            f"{layer}.input_layernorm": SequenceParallel(),
+            f"{layer}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": whole}),
+            **{f"{layer}.self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
+            f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=seq,
+                                                         use_local_output=False),
+            f"{layer}.post_attention_layernorm": SequenceParallel(),
+            f"{layer}.mlp": PrepareModuleInput(input_layouts=(seq,),
+                                               desired_input_layouts=(whole,)),
+            f"{layer}.mlp.gate_proj": ColwiseParallel(),
+            f"{layer}.mlp.up_proj": ColwiseParallel(),
+            f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq,
+                                                      use_local_output=False)})
+    parallelize_module(model, mesh, plan)
+
+
+SP_CASES = [("llama", 1, 2), ("qwen2", 1, 4), ("llama", 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def tracked_sp(tp_models) -> dict:
+    """torch's trackers on the model split by torchtitan_sequence_parallel, and tfcli's plan
+    with sp=1, for each of SP_CASES at SIZES; and tfcli's plan without sp beside it."""
+    from tfcli.parallel.measure import tp_fake_memory_subject
+    from tfcli.parallel.tensor import TensorParallelModel
+
+    import warnings
+
+    out = {}
+    sizes = {"B": SIZES["B"], "L": SIZES["L"]}
+    for name, dp, t in SP_CASES:
+        subject = _subject(tp_models[name])
+        par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
+        with warnings.catch_warnings():  # FSDP2's advice about the view the model returns
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+            measured = tp_fake_memory_subject(subject, t, sizes, dp=dp,
+                                              parallelize_with=torchtitan_sequence_parallel)
+        plan = TensorParallelModel(subject, None, par, sequence=True).plan(par, sizes)
+        out[name, dp, t] = measured, plan
+    return out
+
+
 @pytest.mark.parametrize("name,dp,t", CASES)
 def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
-    """Every line within 5 % of what torch's tracker sorts into its category, and the peak
-    within 5 % of the tracker's: model states after backward (the gradients as torch's
-    backward made them), FSDP's buffers where it runs beside, what each unit's forward
-    added to the activations, and everything else at the peak (saved activations, the
-    backward's temporaries and gradients in flight)."""
+    """Every line within 2 % of what torch's tracker sorts into its category, and the peak
+    within 1 % of the tracker's (the issue asks 5 %; the replay counts a collective's wait as
+    the tracker does, allocating nothing, and every activation line together is then the
+    tracker's to the byte on the Transformers models): model states after backward (the
+    gradients as torch's backward made them), FSDP's buffers where it runs beside, what each
+    unit's forward added to the activations, and everything else at the peak (saved
+    activations, the backward's temporaries and gradients in flight)."""
     measured, p = tracked[name, dp, t]
+    _agrees_with_the_tracker(measured, p, dp)
+    assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is False
+
+
+@pytest.mark.parametrize("name,dp,t", SP_CASES)
+def test_sequence_parallel_plan_agrees_with_torch_trackers_on_torchs_own_split(
+        tracked_sp, tracked, name, dp, t):
+    """sp=1: tfcli's split (tfcli.parallel.tensor.sequence_split) against the model split
+    with torch's own styles (torchtitan_sequence_parallel) under MemTracker or, with FSDP
+    beside, FSDPMemTracker: every line within 2 % and the peak within 1 %, as for tensor
+    parallelism alone; and the layers' activations are smaller than without sp (the norms'
+    saved tensors on a sequence shard)."""
+    measured, p = tracked_sp[name, dp, t]
+    _agrees_with_the_tracker(measured, p, dp)
+    assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is True
+    assert "applied: the residual stream split" in \
+        p.conditions["tensor_parallel"]["sequence_parallel"]
+    if (name, dp, t) in tracked:
+        without = {line.name: line.bytes for line in tracked[name, dp, t][1].lines}
+        lines = {line.name: line.bytes for line in p.lines}
+        assert lines["activations: layers"] < without["activations: layers"]
+        assert lines["weights"] == without["weights"]
+
+
+def _agrees_with_the_tracker(measured: dict, p, dp: int) -> None:
     after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
     lines = {line.name: line.bytes for line in p.lines}
     if dp == 1:
@@ -142,10 +234,9 @@ def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
               ("activations", others)]
     lines["activations"] = sum(line.bytes for line in p.lines if line.kind == "activations")
     for line, value in pairs:
-        assert lines.get(line, 0) == pytest.approx(value, rel=0.05), (line, lines.get(line),
+        assert lines.get(line, 0) == pytest.approx(value, rel=0.02), (line, lines.get(line),
                                                                        value)
-    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.05), p.peak.moments
-    assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is False
+    assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.01), p.peak.moments
 
 
 def test_an_untied_vocabulary_parallel_embedding_keeps_a_whole_gradient(tracked):
@@ -218,8 +309,13 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
      "divisible by 8"),
     ("ffn90", ["--parallel", "tp=4"], "--parallel tp=4: model.layers.0.mlp.gate_proj (Linear, "
      "colwise) has out_features=90, not divisible by 4"),
-    ("llama", ["--parallel", "tp=2,sp=1"], "sequence parallelism (sp=1) is not computed yet "
-     "for --model"),
+    ("llama", ["--parallel", "tp=2,sp=1", "--seq-len", "63"], "--parallel tp=2,sp=1: "
+     "sequence parallelism splits the sequence 2 ways; L=63 is not divisible by 2"),
+    ("llama", ["--parallel", "tp=2,sp=1,pp=2", "--seq-len", "64"], "--parallel "
+     "tp=2,pp=2,sp=1: sequence parallelism beside pipeline stages is not computed yet"),
+    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
+     "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
+     "backward pass failed in blocks.0 (Block)"),
     ("llama", ["--parallel", "tp=2,cp=2"], "--parallel tp=2,cp=2: cp=2 splits the model "
      "itself, which is computed for tfcli's own configuration only"),
     ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "

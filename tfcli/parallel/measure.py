@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Callable
 
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -310,7 +311,8 @@ def _concatenated_meshes_outside_fake():
 
 
 def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str | None = None,
-                           dp: int = 1) -> dict[str, dict]:
+                           dp: int = 1, sequence: bool = False,
+                           parallelize_with: Callable | None = None) -> dict[str, dict]:
     """torch's tracker's snapshots of rank 0 of ``dp`` × ``t`` fake ranks running a training
     step (Adam) of any subject, split by torch's ``parallelize_module`` with the plan
     tfcli.parallel.tensor resolves (the Transformers model's own, or ``tp_plan``): with
@@ -320,7 +322,9 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
     the later ones do not. ``after_backward`` (gradients present), ``peak``, ``largest`` (each
     category's largest figure in any module's snapshots) and ``units`` (what each wrap unit's
     forward added to the activations). torch's figures, which the tests hold the
-    tensor-parallel plan to."""
+    tensor-parallel plan to. ``sequence``: with sequence parallelism as tfcli splits it;
+    ``parallelize_with(model, tp_mesh)``: split the built model so instead (a plan written
+    with torch's own ParallelStyles, to hold tfcli's split to)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -331,10 +335,15 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
 
     split = TensorParallelModel.__new__(TensorParallelModel)  # the plan alone: no replay
     split.subject, split.t, split.tp_plan_text, split.wrap = subject, t, tp_plan, None
+    split.sequence = sequence
     shape = (dp, t) if dp > 1 else None
     with _fake_world(dp * t, shape) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
             _concatenated_meshes_outside_fake():
-        model = split._split(mesh["tp"] if dp > 1 else mesh)
+        if parallelize_with is None:
+            model = split._split(mesh["tp"] if dp > 1 else mesh)
+        else:
+            model = subject.build("cpu", None)
+            parallelize_with(model, mesh["tp"] if dp > 1 else mesh)
         units = find_units(model).modules
         if dp > 1:
             _shard(model, units, mesh["dp"], True, True)

@@ -22,9 +22,18 @@ as torch runs it, not from formulas on a configuration.
   stage's own copy of a tied weight measured untied: the embedding's copy gets its whole
   gradient alone).
 
-Not computed (refused in one line): sequence parallelism (the norms and the residual stream
-stay whole on every rank, as the plans Transformers ships leave them), styles torch's
-ParallelStyle cannot express (packed, expert and MLA weights), tp with cp or ep.
+- With sequence parallelism (``sp=1``, asked for in so many words: the plans Transformers
+  ships leave the norms and the residual stream whole on every rank), the residual stream is
+  split along the sequence as torchtitan splits its Llama: the input embedding's output and
+  each row-split projection's are reduce-scattered to a sequence shard (``Shard(1)``, kept a
+  DTensor so the model's own code between the layers sees the whole shape), the norms on that
+  stream run on their shard (torch's ``SequenceParallel``), each module that holds
+  column-split projections (attention, the MLP) all-gathers its input once, and the head
+  all-gathers the final norm's output. A model whose code does not fit that split (a block
+  adding its residual beside its own projections) is refused in one line by the run.
+
+Not computed (refused in one line): styles torch's ParallelStyle cannot express (packed, expert
+and MLA weights), tp with cp or ep.
 """
 
 from __future__ import annotations
@@ -84,13 +93,11 @@ def fake_world(t: int):
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def refuse_sequence_parallel(text: str, par: Parallel) -> None:
-    """sp=1 asked for in so many words: not computed for --model (sp is on by default with
-    tp for tfcli's own configuration, where it is; here the default is off)."""
-    if re.search(r"(^|,)\s*sp\s*=\s*1\s*($|,)", text or ""):
-        raise TfcliError(f"--parallel {text}: sequence parallelism (sp=1) is not computed yet "
-                         f"for --model; tp={par.tp} without it is (the norms and the residual "
-                         f"stream whole on every rank): drop sp=1")
+def sequence_parallel_asked(text: str | None) -> bool:
+    """sp=1 in so many words: for --model sequence parallelism is off unless asked for (on by
+    default with tp for tfcli's own configuration, as Megatron-LM pairs them; the plans
+    Transformers ships leave the residual stream whole)."""
+    return bool(re.search(r"(^|,)\s*sp\s*=\s*1\s*($|,)", text or ""))
 
 
 def parse_tp_plan(text: str) -> dict[str, str]:
@@ -225,36 +232,87 @@ def check_heads(subject, styles: dict[str, str], t: int) -> None:
                              f"columns), so tp must divide the query and key/value heads")
 
 
-def _torch_style(style: str, module):
+def _torch_style(style: str, module, sequence: bool = False, gathered: bool = False):
+    """torch's ParallelStyle for ``style`` on ``module``; with ``sequence`` (sequence
+    parallelism) the residual stream is a sequence-split DTensor: what enters it from a
+    row-split module (or an embedding) is reduce-scattered to ``Shard(1)``, and a column-split
+    module not inside a ``gathered`` module (one whose input is all-gathered once, as the
+    head) all-gathers its own."""
     from torch import nn
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    whole = Replicate()
+    whole, stream = Replicate(), Shard(1)
+    into_stream = {"output_layouts": stream, "use_local_output": False} if sequence else {}
+    from_stream = {"input_layouts": stream} if sequence and not gathered else {}
     if style == "colwise":
-        return ColwiseParallel()
-    if style == "rowwise":
-        return RowwiseParallel(input_layouts=whole) if isinstance(module, nn.Embedding) \
-            else RowwiseParallel()
-    if style.startswith("colwise") or style == "embedding_colwise":
-        return ColwiseParallel(output_layouts=whole)
-    return RowwiseParallel(input_layouts=whole)  # rowwise_split_input, _rep, embedding_rowwise
+        return ColwiseParallel(**from_stream)
+    if style == "rowwise" and not isinstance(module, nn.Embedding):
+        return RowwiseParallel(**into_stream)
+    if style == "embedding_colwise":
+        return ColwiseParallel(output_layouts=stream, use_local_output=False) if sequence \
+            else ColwiseParallel(output_layouts=whole)
+    if style.startswith("colwise"):  # colwise_gather_output, colwise_rep: the head
+        return ColwiseParallel(output_layouts=whole, **from_stream)
+    # an embedding split by rows, rowwise_split_input, _rep, embedding_rowwise
+    return RowwiseParallel(input_layouts=whole, **into_stream)
 
 
-def parallelize(model, mesh, styles: dict[str, str], t: int) -> None:
-    """torch's ``parallelize_module`` with each module's style; tied parameters split the
-    same way are tied again (each module's split replaces its parameter), and refused when
-    the plan splits them differently."""
-    from torch.distributed.tensor.parallel import parallelize_module
+def _is_norm(module) -> bool:
+    from torch import nn
+
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
+        ("Norm", "LayerNorm"))
+
+
+def sequence_split(model, styles: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Where sequence parallelism changes a tensor-parallel split: the modules that gather
+    their input once (those holding column-split projections, but the model itself: an
+    attention, an MLP) and the norms on the residual stream (every norm not inside one of
+    those: a per-head q/k norm runs on a rank's own heads)."""
+    gathered = sorted({path.rpartition(".")[0] for path, style in styles.items()
+                       if style.startswith("colwise") and "." in path})
+    inside = tuple(path + "." for path in gathered)
+    norms = [path for path, module in model.named_modules()
+             if path and _is_norm(module) and not path.startswith(inside)
+             and path not in gathered]
+    return gathered, norms
+
+
+def _gather_stream(module, args, kwargs):
+    """A forward pre-hook: each sequence-split DTensor the module is called with is
+    all-gathered and handed on as a whole local tensor (what torch's PrepareModuleInput does
+    with desired layout Replicate, for positional and keyword inputs alike)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def whole(x):
+        if isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements):
+            return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+        return x
+
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+
+def parallelize(model, mesh, styles: dict[str, str], t: int, sequence: bool = False) -> None:
+    """torch's ``parallelize_module`` with each module's style (``sequence``: with sequence
+    parallelism, :func:`sequence_split`); tied parameters split the same way are tied again
+    (each module's split replaces its parameter), and refused when the plan splits them
+    differently."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     modules = dict(model.named_modules())
     ties: dict[int, list[tuple[str, str]]] = {}
     for path, module in modules.items():
         for name, p in module.named_parameters(recurse=False):
             ties.setdefault(id(p), []).append((path, name))
-    plan = {path: _torch_style(style, modules[path]) for path, style in styles.items()
-            if STYLES[style][0] is not None}
+    gathered, norms = sequence_split(model, styles) if sequence else ([], [])
+    inside = tuple(path + "." for path in gathered)
+    plan = {path: _torch_style(style, modules[path], sequence, path.startswith(inside))
+            for path, style in styles.items() if STYLES[style][0] is not None}
+    plan.update((path, SequenceParallel()) for path in norms)
     parallelize_module(model, mesh, plan)
+    for path in gathered:
+        modules[path].register_forward_pre_hook(_gather_stream, with_kwargs=True)
     for group in (g for g in ties.values() if len(g) > 1):
         params = [modules[path]._parameters[name] for path, name in group]
         layouts = [getattr(p, "placements", None) for p in params]
@@ -299,13 +357,22 @@ class TensorParallelModel(TracedModel):
     it. ``tp_plan``: --tp-plan's text (None: the Transformers model's own plan)."""
 
     def __init__(self, subject, wrap: str | None, par: Parallel,
-                 tp_plan: str | None = None) -> None:
+                 tp_plan: str | None = None, sequence: bool = False) -> None:
         refuse_model_splits(par, tensor=True)
         if par.ep > 1:
             raise TfcliError(f"--parallel tp={par.tp},ep={par.ep}: expert parallelism beside "
                              f"tensor parallelism is not computed yet for --model; drop one")
-        self.subject, self.wrap, self.t = subject, wrap, par.tp
-        self.probe, self._stages = {**subject.default_sizes, "B": 1}, {}
+        if sequence and par.pp > 1:
+            raise TfcliError(f"--parallel tp={par.tp},pp={par.pp},sp=1: sequence parallelism "
+                             f"beside pipeline stages is not computed yet for --model; drop "
+                             f"sp=1 or pp")
+        self.subject, self.wrap, self.t, self.sequence = subject, wrap, par.tp, sequence
+        # the sizes the split is probed at: lengths the t ranks share evenly
+        self.probe = {**subject.default_sizes, "B": 1}
+        if sequence:
+            self.probe.update((d, -(-self.probe[d] // self.t) * self.t)
+                              for d in subject.length_dims() if d in self.probe)
+        self._stages = {}
         self.tp_plan_text = tp_plan
         with fake_world(self.t) as mesh:
             model = self._split(mesh)
@@ -325,8 +392,20 @@ class TensorParallelModel(TracedModel):
             self.rules = rules
             self.styles = resolve(model, rules, self.t, origin)
             check_heads(self.subject, self.styles, self.t)
-        parallelize(model, mesh, self.styles, self.t)
+            self.sequence_modules = sequence_split(model, self.styles) if self.sequence \
+                else ([], [])
+        parallelize(model, mesh, self.styles, self.t, self.sequence)
         return model
+
+    def check_lengths(self, sizes: dict[str, int]) -> None:
+        """Sequence parallelism splits each length evenly over the t ranks."""
+        if not self.sequence:
+            return
+        for d in self.subject.length_dims():
+            if sizes.get(d, 0) % self.t:
+                raise TfcliError(f"--parallel tp={self.t},sp=1: sequence parallelism splits "
+                                 f"the sequence {self.t} ways; {d}={sizes[d]} is not "
+                                 f"divisible by {self.t}")
 
     def _gradients(self, model) -> tuple[int, list[str], dict[str, tuple[int, str]]]:
         """The trainable parameters' gradients as torch's backward makes them on one rank
@@ -338,7 +417,7 @@ class TensorParallelModel(TracedModel):
         from tfcli.inspection.memory import _sizes_text
         from tfcli.subjects.base import RunFailed, running
 
-        sizes = {**self.subject.default_sizes, "B": 1}
+        sizes = self.probe
         inputs = self.subject.step_inputs(model, sizes, "cpu")
         try:
             with running(model, "forward and backward pass"):
@@ -347,11 +426,16 @@ class TensorParallelModel(TracedModel):
         except RunFailed as error:  # the plan, not the model: it runs whole
             where = "--tp-plan" if self.tp_plan_text is not None else "its plan"
             raise TfcliError(
-                f"--parallel tp={self.t} with {where}: one rank's share cannot run "
-                f"({_sizes_text(self.subject, sizes)}, fake tensors): {error}; each split "
-                f"module hands on 1/{self.t} of its features, so the code after it must "
-                f"work on a share (heads divisible by tp, no sizes fixed in the "
-                f"code)") from None
+                f"--parallel tp={self.t}{',sp=1' if self.sequence else ''} with {where}: "
+                f"one rank's share cannot run ({_sizes_text(self.subject, sizes)}, fake "
+                f"tensors): {error}; each split module hands on 1/{self.t} of its features, "
+                f"so the code after it must work on a share (heads divisible by tp, no sizes "
+                f"fixed in the code)" + (
+                    "; with sp=1 the residual stream between the modules that hold the "
+                    "split projections is a sequence-split DTensor, so those modules must "
+                    "take it and return their projections' output (as Transformers' "
+                    "attention and MLP modules do), the residual added outside them"
+                    if self.sequence else "")) from None
         total, notes, excess, seen = 0, [], {}, set()
         for name, p in model.named_parameters():
             if id(p) in seen or not p.requires_grad:
@@ -367,7 +451,7 @@ class TensorParallelModel(TracedModel):
 
     def plan(self, par: Parallel, *args, **kwargs):
         result = super().plan(par, *args, **kwargs)
-        result.parallel = dataclasses.replace(par, sp=False)  # as computed
+        result.parallel = dataclasses.replace(par, sp=self.sequence)  # as computed
         result.conditions["tensor_parallel"] = self.conditions()
         stage = ""
         if par.pp > 1:
@@ -425,6 +509,7 @@ class TensorParallelModel(TracedModel):
                                              simulate_training_step)
 
         subject, t = self.subject, self.t
+        self.check_lengths(dict(sizes))
         with fake_world(t) as mesh:
             estimate = simulate_training_step(
                 lambda: self._split(mesh, DTYPES[dtype] if dtype != "fp32" else None),
@@ -432,7 +517,8 @@ class TensorParallelModel(TracedModel):
                 autocast_dtype=DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
                 units=self._units_of, loop=loop)
         how = (f"fake-tensor replay of forward+backward of one rank's share under tensor "
-               f"parallelism (torch's parallelize_module on a fake world of {t} ranks), "
+               + ("and sequence " if self.sequence else "")
+               + f"parallelism (torch's parallelize_module on a fake world of {t} ranks), "
                f"{_sizes_text(subject, dict(sizes))}, {subject.loss_name()}"
                + (f", autocast {mixed}" if mixed else "") + f"; {LOOP_WORDS[loop]}"
                + "".join(f"; {line}" for line in subject.assumptions()))
@@ -462,8 +548,18 @@ class TensorParallelModel(TracedModel):
                 "modules_split": self.split,
                 "styles": {style: STYLES[style][0] or "(not split)"
                            for style in dict.fromkeys(self.styles.values())},
-                "sequence_parallel": "not applied: the norms and the residual stream stay "
-                                     "whole on every rank (as the plan leaves them)",
+                "sequence_parallel": self._sequence_words(),
                 "how": f"torch's parallelize_module on a fake process group of {self.t} "
                        f"ranks in one process, fake tensors: each parameter a DTensor, this "
                        f"rank's local shard counted"}
+
+    def _sequence_words(self) -> str:
+        if not self.sequence:
+            return ("not applied (ask with sp=1): the norms and the residual stream stay whole "
+                    "on every rank, as the plan leaves them")
+        gathered, norms = self.sequence_modules
+        return (f"applied: the residual stream split along the sequence over the {self.t} ranks "
+                f"(Shard(1)): {len(norms)} norm(s) on their shard (SequenceParallel), "
+                f"{len(gathered)} module(s) all-gathering their input once ("
+                + ", ".join(dict.fromkeys(_wildcard(p) for p in gathered))
+                + "), row-split outputs and the embedding's reduce-scattered to the shard")

@@ -582,10 +582,10 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                          "sizes are fixed); use --fit batch")
     capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
     if par.tp > 1:
-        from tfcli.parallel.tensor import TensorParallelModel, refuse_sequence_parallel
+        from tfcli.parallel.tensor import TensorParallelModel, sequence_parallel_asked
 
-        refuse_sequence_parallel(parallel, par)
-        traced = TensorParallelModel(subject, wrap, par, tp_plan)
+        traced = TensorParallelModel(subject, wrap, par, tp_plan,
+                                     sequence_parallel_asked(parallel))
     elif tp_plan is not None:
         raise TfcliError("--tp-plan splits the model over tensor-parallel ranks: add tp=T "
                          "(T > 1) to --parallel")
@@ -607,6 +607,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
         batch = found or 1
     elif fit_what == "seq-len":
         step = 64 if limit >= 256 else 1
+        if getattr(traced, "sequence", False):  # lengths the tensor-parallel ranks split evenly
+            step = math.lcm(step, par.tp)
         bound = limit // step * step
         best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
         found = best * step if best else None
