@@ -330,8 +330,7 @@ def params(
         metavar="dp=N,zero=0-3,tp=T,pp=P,cp=C,ep=E", show_default=False,
         help="Memory per rank under data (ZeRO/FSDP), tensor (+sequence), pipeline, context "
              "and expert parallelism (ep: experts split over E of the dp ranks, --model with "
-             "experts; sp=0|1: sequence parallelism beside tp, on by default for tfcli's own "
-             "configurations, off for --model unless sp=1), e.g. dp=8,zero=3,tp=2.")] = None,
+             "experts; sp=0|1, for --model off unless sp=1), e.g. dp=8,zero=3,tp=2.")] = None,
     checkpointing: Annotated[Optional[Checkpointing], typer.Option(
         show_default=False, help="Activation recomputation for the per-rank plan (default "
                                  "none).")] = None,
