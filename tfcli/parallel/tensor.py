@@ -261,8 +261,8 @@ def _torch_style(style: str, module, sequence: bool = False, gathered: bool = Fa
 def _is_norm(module) -> bool:
     from torch import nn
 
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
-        ("Norm", "LayerNorm"))
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or \
+        type(module).__name__.endswith("Norm")
 
 
 def sequence_split(model, styles: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -293,11 +293,12 @@ def _gather_stream(module, args, kwargs):
     return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
 
 
-def parallelize(model, mesh, styles: dict[str, str], t: int, sequence: bool = False) -> None:
+def parallelize(model, mesh, styles: dict[str, str], t: int,
+                sequence: bool = False) -> tuple[list[str], list[str]]:
     """torch's ``parallelize_module`` with each module's style (``sequence``: with sequence
-    parallelism, :func:`sequence_split`); tied parameters split the same way are tied again
-    (each module's split replaces its parameter), and refused when the plan splits them
-    differently."""
+    parallelism, :func:`sequence_split`, whose answer it returns); tied parameters split the
+    same way are tied again (each module's split replaces its parameter), and refused when
+    the plan splits them differently."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     modules = dict(model.named_modules())
@@ -325,6 +326,7 @@ def parallelize(model, mesh, styles: dict[str, str], t: int, sequence: bool = Fa
                 f"(embedding_rowwise on the embedding, colwise on the head) or neither")
         for path, name in group[1:]:
             modules[path]._parameters[name] = params[0]
+    return gathered, norms
 
 
 def _local(t):
@@ -392,9 +394,7 @@ class TensorParallelModel(TracedModel):
             self.rules = rules
             self.styles = resolve(model, rules, self.t, origin)
             check_heads(self.subject, self.styles, self.t)
-            self.sequence_modules = sequence_split(model, self.styles) if self.sequence \
-                else ([], [])
-        parallelize(model, mesh, self.styles, self.t, self.sequence)
+        self.sequence_modules = parallelize(model, mesh, self.styles, self.t, self.sequence)
         return model
 
     def check_lengths(self, sizes: dict[str, int]) -> None:
