@@ -75,9 +75,16 @@ def tp_models(tmp_path_factory) -> dict[str, list[str]]:
     where = tmp_path_factory.mktemp("tp")
     for name in ("llama", "qwen2"):
         (where / f"{name}.json").write_text(json.dumps({"model_type": name, **COMMON}))
+    # Gemma 2: norms before and after each branch (the attention's output normed before the
+    # residual sum), sliding-window layers; untied (torch's parallelize_module in the
+    # reference split would untie the embedding and the head, which tfcli ties again)
+    (where / "gemma2.json").write_text(json.dumps({
+        "model_type": "gemma2", **COMMON, "head_dim": 8, "sliding_window": 32,
+        "tie_word_embeddings": False}))
     (where / "net.py").write_text(USER_MODULE)
     return {"llama": ["--model", f"hf:{where / 'llama.json'}"],
             "qwen2": ["--model", f"hf:{where / 'qwen2.json'}"],
+            "gemma2": ["--model", f"hf:{where / 'gemma2.json'}"],
             "user": ["--model", f"{where / 'net.py'}:build", "--input", "x=float32[B,L,16]",
                      "--tp-plan", USER_PLAN],
             "where": [str(where)]}
@@ -117,9 +124,9 @@ def tracked(tp_models) -> dict:
 
 
 def torchtitan_sequence_parallel(model, mesh) -> None:
-    """Sequence parallelism for a Transformers Llama or Qwen2 written with torch's own
-    ParallelStyles, layer by layer as torchtitan's Llama plan writes it, not with tfcli's
-    split: the norms SequenceParallel, attention and MLP gathering their input with
+    """Sequence parallelism for a Transformers Llama, Qwen2 or Gemma 2 written with torch's
+    own ParallelStyles, layer by layer as torchtitan's Llama plan writes it, not with tfcli's
+    split: the norms SequenceParallel (Gemma 2's around the feed-forward too), attention and MLP gathering their input with
     PrepareModuleInput (attention is called with keyword arguments), the row-split projections
     and the embedding reduce-scattering to Shard(1), the head gathering its input. One
     change for Transformers' code: the residual stream stays a DTensor
@@ -146,6 +153,9 @@ def torchtitan_sequence_parallel(model, mesh) -> None:
             f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=seq,
                                                          use_local_output=False),
             f"{layer}.post_attention_layernorm": SequenceParallel(),
+            **{f"{layer}.{norm}": SequenceParallel() for norm in (
+                "pre_feedforward_layernorm", "post_feedforward_layernorm")
+               if hasattr(model.model.layers[i], norm)},
             f"{layer}.mlp": PrepareModuleInput(input_layouts=(seq,),
                                                desired_input_layouts=(whole,)),
             f"{layer}.mlp.gate_proj": ColwiseParallel(),
@@ -155,7 +165,7 @@ def torchtitan_sequence_parallel(model, mesh) -> None:
     parallelize_module(model, mesh, plan)
 
 
-SP_CASES = [("llama", 1, 2), ("qwen2", 1, 4), ("llama", 2, 2)]
+SP_CASES = [("llama", 1, 2), ("qwen2", 1, 4), ("gemma2", 1, 2), ("llama", 2, 2)]
 
 
 @pytest.fixture(scope="module")
