@@ -356,3 +356,24 @@ def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, 
             local = sum(getattr(p, "_local_tensor", p).numel() for p in stage.parameters())
             assert st["parameters"] == local, s
     assert data["peak"]["bytes"] == max(st["peak_bytes"] for st in stages)
+
+
+def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas):
+    """sp=1 beside tp=2, pp=3: each stage holds the parameters it holds without sp, what
+    goes between the stages is the hidden state's sequence shard, B × L/t × d (an activation
+    and a gradient: 2 × 4 B × 2 × 8 × 32), half of what it is without sp, and each stage's
+    layers keep less (their norms' saved tensors on the shard)."""
+    folder, _ = llamas[False]
+    args = ["--model", f"hf:{folder}", "--seq-len", "16", "--batch-size", "2"]
+    plain = _plan(cli, *args, "--parallel", "tp=2,pp=3")["conditions"]["pipeline"]["stages"]
+    data = _plan(cli, *args, "--parallel", "tp=2,pp=3,sp=1")
+    stages = data["conditions"]["pipeline"]["stages"]
+    assert data["parallel"]["sp"] is True
+    hidden = 2 * 16 * LLAMA["hidden_size"] * 4  # B × L × d, fp32
+    for with_sp, without in zip(stages, plain):
+        lines = {line["name"]: line["bytes"] for line in with_sp["memory"]}
+        before = {line["name"]: line["bytes"] for line in without["memory"]}
+        assert with_sp["parameters"] == without["parameters"]
+        assert (lines["pipeline send/recv"], before["pipeline send/recv"]) == \
+            (2 * hidden // 2, 2 * hidden)
+        assert lines["activations: layers"] < before["activations: layers"]

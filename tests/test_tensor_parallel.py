@@ -321,8 +321,6 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
      "colwise) has out_features=90, not divisible by 4"),
     ("llama", ["--parallel", "tp=2,sp=1", "--seq-len", "63"], "--parallel tp=2,sp=1: "
      "sequence parallelism splits the sequence 2 ways; L=63 is not divisible by 2"),
-    ("llama", ["--parallel", "tp=2,sp=1,pp=2", "--seq-len", "64"], "--parallel "
-     "tp=2,pp=2,sp=1: sequence parallelism beside pipeline stages is not computed yet"),
     ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
      "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
      "backward pass failed in blocks.0 (Block)"),

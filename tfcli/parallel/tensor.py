@@ -30,7 +30,9 @@ as torch runs it, not from formulas on a configuration.
   stream run on their shard (torch's ``SequenceParallel``), each module that holds
   column-split projections (attention, the MLP) all-gathers its input once, and the head
   all-gathers the final norm's output. A model whose code does not fit that split (a block
-  adding its residual beside its own projections) is refused in one line by the run.
+  adding its residual beside its own projections) is refused in one line by the run. Beside
+  pipeline stages, the stages hand on the hidden state's sequence shard (the replay's block
+  inputs are those DTensors, counted by their local shards).
 
 Not computed (refused in one line): styles torch's ParallelStyle cannot express (packed, expert
 and MLA weights), tp with cp or ep.
@@ -364,10 +366,6 @@ class TensorParallelModel(TracedModel):
         if par.ep > 1:
             raise TfcliError(f"--parallel tp={par.tp},ep={par.ep}: expert parallelism beside "
                              f"tensor parallelism is not computed yet for --model; drop one")
-        if sequence and par.pp > 1:
-            raise TfcliError(f"--parallel tp={par.tp},pp={par.pp},sp=1: sequence parallelism "
-                             f"beside pipeline stages is not computed yet for --model; drop "
-                             f"sp=1 or pp")
         self.subject, self.wrap, self.t, self.sequence = subject, wrap, par.tp, sequence
         # the sizes the split is probed at: lengths the t ranks share evenly
         self.probe = {**subject.default_sizes, "B": 1}
