@@ -321,6 +321,11 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
      "colwise) has out_features=90, not divisible by 4"),
     ("llama", ["--parallel", "tp=2,sp=1", "--seq-len", "63"], "--parallel tp=2,sp=1: "
      "sequence parallelism splits the sequence 2 ways; L=63 is not divisible by 2"),
+    ("llama", ["--parallel", "tp=2,sp=1", "--seq-len", "64", "--tp-plan",
+               "model.embed_tokens=embedding_colwise,lm_head=colwise_gather_output"],
+     "--parallel tp=2,sp=1: model.embed_tokens is split by embedding columns "
+     "(embedding_colwise), whose output would reach the sequence-split residual stream "
+     "through an all-to-all"),
     ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
      "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
      "backward pass failed in blocks.0 (Block)"),
@@ -384,3 +389,14 @@ def test_parse_tp_plan_keeps_the_order_given():
     assert list(parse_tp_plan("b=rowwise, a=colwise")) == ["b", "a"]
     with pytest.raises(TfcliError, match="'a' is given twice"):
         parse_tp_plan("a=colwise,a=rowwise")
+
+
+def test_sequence_parallelism_is_asked_for_as_the_parser_reads_sp():
+    """sp=01 and sp = 1 are sp=1 to --parallel's parser, so they ask for sequence parallelism
+    for --model too; sp=0 and no sp do not."""
+    from tfcli.parallel.tensor import sequence_parallel_asked
+
+    assert [sequence_parallel_asked(text) for text in (
+        "tp=2,sp=1", "tp=2,sp=01", "tp=2, sp = 1", "sp=1,tp=2", "tp=2,sp=0", "tp=2", None)] \
+        == [True, True, True, True, False, False, False]
+

@@ -96,10 +96,18 @@ def fake_world(t: int):
 
 
 def sequence_parallel_asked(text: str | None) -> bool:
-    """sp=1 in so many words: for --model sequence parallelism is off unless asked for (on by
-    default with tp for tfcli's own configuration, as Megatron-LM pairs them; the plans
-    Transformers ships leave the residual stream whole)."""
-    return bool(re.search(r"(^|,)\s*sp\s*=\s*1\s*($|,)", text or ""))
+    """sp=1 given (as --parallel's parser reads it: ``sp=01`` too): for --model sequence
+    parallelism is off unless asked for (on by default with tp for tfcli's own configuration,
+    as Megatron-LM pairs them; the plans Transformers ships leave the residual stream
+    whole)."""
+    for item in (text or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "sp":
+            try:
+                return int(value) == 1
+            except ValueError:  # the parser refuses it first
+                return False
+    return False
 
 
 def parse_tp_plan(text: str) -> dict[str, str]:
@@ -251,9 +259,8 @@ def _torch_style(style: str, module, sequence: bool = False, gathered: bool = Fa
         return ColwiseParallel(**from_stream)
     if style == "rowwise" and not isinstance(module, nn.Embedding):
         return RowwiseParallel(**into_stream)
-    if style == "embedding_colwise":
-        return ColwiseParallel(output_layouts=stream, use_local_output=False) if sequence \
-            else ColwiseParallel(output_layouts=whole)
+    if style == "embedding_colwise":  # refused with sequence (TensorParallelModel._split)
+        return ColwiseParallel(output_layouts=whole)
     if style.startswith("colwise"):  # colwise_gather_output, colwise_rep: the head
         return ColwiseParallel(output_layouts=whole, **from_stream)
     # an embedding split by rows, rowwise_split_input, _rep, embedding_rowwise
@@ -392,6 +399,15 @@ class TensorParallelModel(TracedModel):
             self.rules = rules
             self.styles = resolve(model, rules, self.t, origin)
             check_heads(self.subject, self.styles, self.t)
+            colwise = [path for path, style in self.styles.items()
+                       if style == "embedding_colwise"]
+            if self.sequence and colwise:
+                raise TfcliError(
+                    f"--parallel tp={self.t},sp=1: {colwise[0]} is split by embedding "
+                    f"columns (embedding_colwise), whose output would reach the sequence-split "
+                    f"residual stream through an all-to-all, which torch's CPU process group "
+                    f"replaces with an all-gather; split it by vocabulary rows "
+                    f"(embedding_rowwise) or drop sp=1")
         self.sequence_modules = parallelize(model, mesh, self.styles, self.t, self.sequence)
         return model
 
@@ -430,9 +446,11 @@ class TensorParallelModel(TracedModel):
                 f"so the code after it must work on a share (heads divisible by tp, no sizes "
                 f"fixed in the code)" + (
                     "; with sp=1 the residual stream between the modules that hold the "
-                    "split projections is a sequence-split DTensor, so those modules must "
-                    "take it and return their projections' output (as Transformers' "
-                    "attention and MLP modules do), the residual added outside them"
+                    "split projections is a sequence-split DTensor from the input "
+                    "embedding's output to the head, so the plan must split both, and "
+                    "those modules must take the stream and return their projections' "
+                    "output (as Transformers' attention and MLP modules do), the residual "
+                    "added outside them"
                     if self.sequence else "")) from None
         total, notes, excess, seen = 0, [], {}, set()
         for name, p in model.named_parameters():
