@@ -225,6 +225,19 @@ def test_sequence_parallel_plan_agrees_with_torch_trackers_on_torchs_own_split(
         assert lines["weights"] == without["weights"]
 
 
+def test_tfclis_sequence_split_is_torchs_own_under_the_tracker(tracked_sp, tp_models):
+    """The step of the model as tfcli splits it with sp=1, under MemTracker, is the step of
+    the model split with torch's own styles (torchtitan_sequence_parallel) to the byte: the
+    peak and every category at it and after backward."""
+    from tfcli.parallel.measure import tp_fake_memory_subject
+
+    reference, _ = tracked_sp["llama", 1, 2]
+    own = tp_fake_memory_subject(_subject(tp_models["llama"]), 2,
+                                 {"B": SIZES["B"], "L": SIZES["L"]}, sequence=True)
+    assert (own["peak"], own["after_backward"]) == (reference["peak"],
+                                                    reference["after_backward"])
+
+
 def _agrees_with_the_tracker(measured: dict, p, dp: int) -> None:
     after, peak, largest = measured["after_backward"], measured["peak"], measured["largest"]
     lines = {line.name: line.bytes for line in p.lines}
