@@ -162,8 +162,6 @@ class RankRecording(_Recording):
             return NotImplemented  # DTensor runs first; its local operations come back here
         if active_fake_mode() is not self._fake:  # DTensor's own shape propagation
             return func(*args, **(kwargs or {}))
-        if func is torch.ops._c10d_functional.wait_tensor.default:
-            return args[0]  # its fake implementation copies; a real wait allocates nothing
         c10d = torch.ops.c10d
         if func is torch.ops.fsdp.chunk_cat.default:
             for g in args[0]:  # the unit's unsharded gradients, going into the buffer
