@@ -203,6 +203,7 @@ def test_tp_plan_agrees_with_torch_trackers(tracked, name, dp, t):
     measured, p = tracked[name, dp, t]
     _agrees_with_the_tracker(measured, p, dp)
     assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is False
+    assert "Shard(dim=1)" not in str(p.conditions["tensor_parallel"]["styles"])
 
 
 @pytest.mark.parametrize("name,dp,t", SP_CASES)
@@ -218,6 +219,9 @@ def test_sequence_parallel_plan_agrees_with_torch_trackers_on_torchs_own_split(
     assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is True
     assert "applied: the residual stream split" in \
         p.conditions["tensor_parallel"]["sequence_parallel"]
+    # the styles as torch applied them: the row-split outputs reduce-scattered to the stream
+    assert "output_layouts=(Shard(dim=1),), use_local_output=False" in \
+        p.conditions["tensor_parallel"]["styles"]["rowwise"]
     if (name, dp, t) in tracked:
         without = {line.name: line.bytes for line in tracked[name, dp, t][1].lines}
         lines = {line.name: line.bytes for line in p.lines}

@@ -303,11 +303,12 @@ def _gather_stream(module, args, kwargs):
 
 
 def parallelize(model, mesh, styles: dict[str, str], t: int,
-                sequence: bool = False) -> tuple[list[str], list[str]]:
+                sequence: bool = False) -> tuple[list[str], list[str], dict[str, str]]:
     """torch's ``parallelize_module`` with each module's style (``sequence``: with sequence
-    parallelism, :func:`sequence_split`, whose answer it returns); tied parameters split the
-    same way are tied again (each module's split replaces its parameter), and refused when
-    the plan splits them differently."""
+    parallelism, :func:`sequence_split`); tied parameters split the same way are tied again
+    (each module's split replaces its parameter), and refused when the plan splits them
+    differently. Returns sequence_split's answer and, for each style, the torch
+    ParallelStyle(s) it was applied as (their repr, which gives every layout)."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     modules = dict(model.named_modules())
@@ -319,6 +320,11 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
     inside = tuple(path + "." for path in gathered)
     plan = {path: _torch_style(style, modules[path], sequence, path.startswith(inside))
             for path, style in styles.items() if STYLES[style][0] is not None}
+    applied: dict[str, list[str]] = {}
+    for path, style in styles.items():
+        text = repr(plan[path]) if path in plan else "(not split)"
+        if text not in applied.setdefault(style, []):
+            applied[style].append(text)
     plan.update((path, SequenceParallel()) for path in norms)
     parallelize_module(model, mesh, plan)
     for path in gathered:
@@ -335,7 +341,7 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
                 f"(embedding_rowwise on the embedding, colwise on the head) or neither")
         for path, name in group[1:]:
             modules[path]._parameters[name] = params[0]
-    return gathered, norms
+    return gathered, norms, {style: " / ".join(texts) for style, texts in applied.items()}
 
 
 def _local(t):
@@ -408,7 +414,8 @@ class TensorParallelModel(TracedModel):
                     f"residual stream through an all-to-all, which torch's CPU process group "
                     f"replaces with an all-gather; split it by vocabulary rows "
                     f"(embedding_rowwise) or drop sp=1")
-        self.sequence_modules = parallelize(model, mesh, self.styles, self.t, self.sequence)
+        *self.sequence_modules, self.applied = parallelize(model, mesh, self.styles, self.t,
+                                                           self.sequence)
         return model
 
     def check_lengths(self, sizes: dict[str, int]) -> None:
@@ -562,7 +569,7 @@ class TensorParallelModel(TracedModel):
     def conditions(self) -> dict:
         return {"tp": self.t, "plan_from": self.plan_from, "rules": self.rules,
                 "modules_split": self.split,
-                "styles": {style: STYLES[style][0] or "(not split)"
+                "styles": {style: self.applied[style]
                            for style in dict.fromkeys(self.styles.values())},
                 "sequence_parallel": self._sequence_words(),
                 "how": f"torch's parallelize_module on a fake process group of {self.t} "
