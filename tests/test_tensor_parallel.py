@@ -126,12 +126,12 @@ def tracked(tp_models) -> dict:
 def torchtitan_sequence_parallel(model, mesh) -> None:
     """Sequence parallelism for a Transformers Llama, Qwen2 or Gemma 2 written with torch's
     own ParallelStyles, layer by layer as torchtitan's Llama plan writes it, not with tfcli's
-    split: the norms SequenceParallel (Gemma 2's around the feed-forward too), attention and MLP gathering their input with
-    PrepareModuleInput (attention is called with keyword arguments), the row-split projections
-    and the embedding reduce-scattering to Shard(1), the head gathering its input. One
-    change for Transformers' code: the residual stream stays a DTensor
-    (use_local_output=False), since the model builds its mask and positions from the
-    embedding output's shape."""
+    split: the norms SequenceParallel (Gemma 2's around the feed-forward too), attention and
+    MLP gathering their input with PrepareModuleInput (attention is called with keyword
+    arguments), the row-split projections and the embedding reduce-scattering to Shard(1),
+    the head gathering its input. One change for Transformers' code: the residual stream
+    stays a DTensor (use_local_output=False), since the model builds its mask and positions
+    from the embedding output's shape."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel,
