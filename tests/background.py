@@ -11,8 +11,8 @@ main one; the tests that read a job's result run last, in the order their jobs s
 is still running. A job that raises makes its fixture raise, so its tests fail; none is
 skipped.
 
-Jobs run one at a time in one background thread, the longest first, beside the in-process
-tests in the main one: on a 2-core machine the two threads keep both cores busy, where two
+Jobs that compute run one at a time in one background thread, the longest first, beside the
+in-process tests in the main one: on a 2-core machine the two threads keep both cores busy, where two
 job threads beside the tests put three runners on two cores and the in-process tests, the
 thread the session waits for, had to share theirs (measured, the difference was within the
 machine's drift: the suite took 157 s and 166 s in clean clones this way, 172-192 s in the
@@ -23,6 +23,11 @@ cores. Every process a job starts runs at a lower priority (``nice`` 5): the in-
 thread the session cannot end before, get a core whenever they want one, and the jobs take
 what is left. Not lower: on a machine busy with other work, jobs at nice 10 would get a
 tenth of what a nice-0 process gets and could run past their time limits.
+
+A job that mostly waits (real ranks sleeping to a deadline, a signal's delivery: declared with
+``waits=True``) runs in a second background thread of its own, beside the computing jobs: while
+it waits, no core is left idle for it; while it computes, the in-process tests still come
+first (nice 0 against the jobs' 5).
 
 A job runs while in-process tests change the working directory and the environment (a test
 may set torchrun's variables, or plant a ``json.py`` in the directory it runs in): the
@@ -40,20 +45,22 @@ from typing import Any, Callable, Iterable
 
 _JOBS: dict[str, Callable[[], Any]] = {}
 _COSTS: dict[str, float] = {}  # job -> the seconds it declares (the order jobs start in)
+_WAITS: set[str] = set()  # jobs that mostly wait: they run in the waiting lane
 _FUTURES: dict[str, Future] = {}
 _PROCESSES: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
-_POOL: list[ThreadPoolExecutor] = []  # the thread (LANES of them) jobs run in, once started
+_POOL: dict[bool, ThreadPoolExecutor] = {}  # waits -> the thread its jobs run in, once started
 NICE = 5  # the priority jobs' processes run at, below the in-process tests
 _CWD, _ENV = os.getcwd(), dict(os.environ)  # as the session started (this is imported then)
 _TIMES: dict[str, list[float]] = {}  # job -> [seconds it ran, seconds tests waited for it]
 _TAKEN: set[str] = set()  # jobs a test's thread took from the queue and ran itself
 
 
-def job(fixture: str, cost: float) -> Callable:
+def job(fixture: str, cost: float, waits: bool = False) -> Callable:
     """Register the decorated function (no arguments) as the job whose result ``fixture``
     returns; ``cost``: about how many seconds it runs on a quiet machine (the longest
-    start first; the summary at the end of a session shows what each took). The fixture must
+    start first; the summary at the end of a session shows what each took); ``waits``: it
+    spends much of them waiting, not computing (it runs in the waiting lane). The fixture must
     have that name and be a parameter of the tests that read it, or a fixture they use (not
     fetched with ``request.getfixturevalue``): that is how the session sees which jobs its
     tests need, and which tests to run last."""
@@ -62,12 +69,11 @@ def job(fixture: str, cost: float) -> Callable:
         assert fixture not in _JOBS, f"two jobs for fixture {fixture!r}"
         _JOBS[fixture] = fn
         _COSTS[fixture] = cost
+        if waits:
+            _WAITS.add(fixture)
         return fn
 
     return register
-
-
-LANES = 1  # jobs that run at a time
 
 
 def _in_order(fixtures: Iterable[str]) -> list[str]:
@@ -78,23 +84,24 @@ def _in_order(fixtures: Iterable[str]) -> list[str]:
 
 def expected_ends(fixtures: Iterable[str]) -> dict[str, float]:
     """When each job behind ``fixtures`` should end, in declared seconds from the start, were
-    they started together (each goes to the first of the LANES threads that is free)."""
-    lanes, ends = [0.0] * LANES, {}
+    they started together (one after another in their lane)."""
+    lanes, ends = {False: 0.0, True: 0.0}, {}
     for name in _in_order(fixtures):
-        lane = lanes.index(min(lanes))
-        lanes[lane] += _COSTS[name]
-        ends[name] = lanes[lane]
+        lanes[name in _WAITS] += _COSTS[name]
+        ends[name] = lanes[name in _WAITS]
     return ends
 
 
 def start(fixtures: Iterable[str]) -> list[str]:
     """Start the jobs behind ``fixtures`` (the fixtures the selected tests use), the longest
-    first, in the background thread."""
+    first, each in its lane's background thread."""
     names = [name for name in _in_order(fixtures) if name not in _FUTURES]
-    if names and not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="background"))
     for name in names:
-        _FUTURES[name] = _POOL[0].submit(_timed, name)
+        waits = name in _WAITS
+        if waits not in _POOL:
+            _POOL[waits] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="waiting" if waits else "background")
+        _FUTURES[name] = _POOL[waits].submit(_timed, name)
     return names
 
 
@@ -144,7 +151,8 @@ def _take(name: str) -> bool:
 def summary() -> list[str]:
     """A line per job that ran: its seconds, and how long tests waited for it (the time the
     background added to the session)."""
-    return [f"{name} (declares {_COSTS[name]:g} s): ran {ran:.1f} s"
+    return [f"{name} (declares {_COSTS[name]:g} s{', waits' if name in _WAITS else ''}): "
+            f"ran {ran:.1f} s"
             + (" in the tests' thread" if name in _TAKEN else f", tests waited {waited:.1f} s")
             for name, (ran, waited) in _TIMES.items()]
 
@@ -190,11 +198,11 @@ def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 def stop() -> None:
     """At the session's end: jobs not yet begun are dropped, processes still running killed."""
-    for pool in _POOL:
+    for pool in _POOL.values():
         pool.shutdown(wait=False, cancel_futures=True)
     with _LOCK:
         for proc in _PROCESSES:
             if proc.poll() is None:
                 proc.kill()
-    for pool in _POOL:
+    for pool in _POOL.values():
         pool.shutdown(wait=True)

@@ -761,7 +761,7 @@ def signalled():
     return background.result("signalled")
 
 
-@background.job("signalled", cost=6)
+@background.job("signalled", cost=6, waits=True)
 def _signalled() -> dict[str, Stopped]:
     """Every signalled sweep, one after another in the background job queue."""
     return {name: _stop(*how) for name, how in SIGNALLED.items()}

@@ -473,7 +473,7 @@ def gloo():
     return background.result("gloo")
 
 
-@background.job("gloo", cost=15)
+@background.job("gloo", cost=15, waits=True)
 def _gloo() -> dict:
     """In one fresh process: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
     spawned, rendezvous on 127.0.0.1) for DDP, FSDP2 and tensor parallelism — each first

@@ -29,7 +29,7 @@ def rank_scenarios():
     return background.result("rank_scenarios")
 
 
-@background.job("rank_scenarios", cost=15)
+@background.job("rank_scenarios", cost=15, waits=True)
 def _rank_scenarios() -> dict:
     """Ranks that fail, hang, stop or lose their launcher (tests/rank_scenarios.py): real ranks
     that spend most of their time waiting, in one process beside the in-process tests."""
