@@ -337,10 +337,10 @@ TORCH_CASES: list[Case] = [
              b"import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
              b"        return x @ torch.ones(5, 5)\n")}),
     # what --parallel cannot do for --model yet is refused before the model is imported
-    Case("params-parallel-model-refused-before-import", ["params", "--model", "m.py:M",
-                                                         "--parallel", "dp=2,cp=2"], 2,
-         "--parallel dp=2,cp=2: cp=2 splits the model itself, which is computed for tfcli's "
-         "own configuration only", files={"m.py": b"raise SystemExit('imported')\n"}),
+    Case("params-tp-plan-model-refused-before-import", ["params", "--model", "m.py:M",
+                                                        "--tp-plan", "x=colwise"], 2,
+         "--tp-plan splits the model over tensor-parallel ranks: add tp=T (T > 1) to "
+         "--parallel", files={"m.py": b"raise SystemExit('imported')\n"}),
     Case("params-micro-batches-model-refused-before-import", [
         "params", "--model", "m.py:M", "--parallel", "dp=2", "--micro-batches", "4"], 2,
          "--micro-batches 4: micro-batches in flight matter to pipeline stages; add pp=P",

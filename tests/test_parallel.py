@@ -1329,10 +1329,57 @@ def test_params_parallel_for_an_hf_model(cli, traced_fsdp):
     assert not over["device"]["fits"]
 
 
+@pytest.mark.parametrize("which", ["llama", "user"])
+def test_context_parallel_ranks_of_any_model_replay_their_share_of_the_sequence(cli, tmp_path,
+                                                                                which):
+    """--parallel cp=C for --model, by the rule tfcli's own configurations follow: each rank
+    runs its L/C positions (the replay at that length) and ZeRO shards model states over the
+    dp × cp ranks that hold the same parameters. So dp=2,zero=3,cp=2 at L is, line by line and
+    at the peak, dp=4,zero=3 at L/2, for a Transformers Llama and a user's module; and it is
+    not the plan at L (the layers keep half as much)."""
+    if which == "llama":
+        model = ["--model", f"hf:{LLAMA_TINY}"]
+    else:
+        (tmp_path / "net.py").write_text(USER_MODULE)
+        model = ["--model", f"{tmp_path}/net.py:build", "--input", "x=float32[B,L,16]"]
+
+    def plan(parallel: str, seq_len: int) -> dict:
+        result = cli("params", *model, "--parallel", parallel, "--seq-len", str(seq_len),
+                     "--batch-size", "2", "--json")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    context, data, whole = plan("dp=2,zero=3,cp=2", 64), plan("dp=4,zero=3", 32), \
+        plan("dp=2,zero=3", 64)
+    lines = lambda d: [(line["name"], line["bytes"]) for line in d["memory"]]  # noqa: E731
+    assert lines(context) == lines(data) and context["peak"] == data["peak"]
+    assert context["world_size"] == data["world_size"] == 4
+    cond = context["conditions"]
+    assert (cond["seq_len"], cond["seq_len_per_rank"], cond["sharded_over"]) == (64, 32, 4)
+    assert "cp=2: each rank replays its 32 of the 64 positions" in cond["activations"]
+    assert "not counted" in cond["activations"]  # the other ranks' K/V, said so
+    layers = lambda d: dict(lines(d))["activations: layers"]  # noqa: E731
+    assert layers(context) < layers(whole)
+
+
+def test_context_parallelism_needs_a_length_to_split(cli, tmp_path):
+    (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(16, 4)\n")
+    result = cli("params", "--model", f"{tmp_path}/m.py:build", "--input", "x=float32[B,16]",
+                 "--parallel", "dp=2,cp=2")
+    assert result.exit_code == 2
+    assert ("--parallel cp=2: context parallelism splits the sequence, and the model's inputs "
+            "have no length") in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    qwen2 = str(Path(LLAMA_TINY).parent / "qwen2-tiny")
+    shared = cli("params", "--model", f"hf:{qwen2}", "--parallel", "tp=2,sp=1,cp=2",
+                 "--seq-len", "66", "--batch-size", "2")
+    assert shared.exit_code == 2
+    assert ("--seq-len 66: cp=2 leaves each rank 33 positions, which sequence parallelism "
+            "splits tp=2 ways; give a multiple of 4") in shared.stderr
+
+
 @pytest.mark.parametrize("extra,message", [
-    (["--parallel", "dp=2,cp=2"], "--parallel dp=2,cp=2: cp=2 splits the model itself, which "
-                                  "is computed for tfcli's own configuration only"),
-    (["--parallel", "cp=2"], "--parallel cp=2: cp=2 splits the model itself"),
+    (["--parallel", "dp=2,cp=2", "--seq-len", "9"], "--seq-len 9 is not divisible by cp=2"),
     (["--parallel", "dp=2,zero=3", "--wrap", "Blok"], "--wrap 'Blok': the model has no module "
                                                       "of that class (did you mean 'Block'?)"),
     (["--wrap", "Block"], "--wrap chooses the FSDP units of the per-rank plan"),

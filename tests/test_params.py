@@ -488,7 +488,7 @@ def test_the_optimizer_implementation_follows_the_device(cli):
     (["--seq-len", "8", "--optimizer-impl", "fast"], "fast"),
     (["--seq-len", "8", "--inference", "--optimizer-impl", "fused"], "training memory"),
     (["--parallel", "dp=2,pp=2", "--seq-len", "8", "--optimizer-impl", "fused"],
-     "data parallelism alone"),
+     "data and context parallelism alone"),
 ])
 def test_optimizer_impl_bad_input(cli, args, words):
     result = cli("params", "--preset", "tiny", *args)

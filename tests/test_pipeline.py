@@ -260,7 +260,7 @@ def test_each_stages_activations_are_what_its_forwards_leave_alive(cli, net):
     (["--parallel", "pp=5"], "--parallel pp=5: more stages than the model's 4 blocks"),
     (["--parallel", "pp=2", "--wrap", "Embedding"], "--parallel pp=2: more stages than the "
                                                      "model's 1 blocks"),
-    (["--parallel", "pp=2,cp=2"], "--parallel pp=2,cp=2: cp=2 splits the model itself"),
+    (["--parallel", "pp=2,cp=2", "--seq-len", "7"], "--seq-len 7 is not divisible by cp=2"),
 ])
 def test_what_cannot_be_split_is_refused_in_one_line(cli, net, extra, message):
     result = cli("params", *net, *extra)

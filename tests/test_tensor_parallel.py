@@ -346,8 +346,8 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
     ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
      "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
      "backward pass failed in blocks.0 (Block)"),
-    ("llama", ["--parallel", "tp=2,cp=2"], "--parallel tp=2,cp=2: cp=2 splits the model "
-     "itself, which is computed for tfcli's own configuration only"),
+    ("llama", ["--parallel", "tp=2,cp=2", "--seq-len", "31"], "--seq-len 31 is not divisible "
+     "by cp=2"),
     ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "
      "tensor-parallel ranks: add tp=T"),
     ("tied", ["--parallel", "tp=2", "--tp-plan", "model.embed_tokens=embedding_rowwise"],

@@ -121,9 +121,7 @@ TRAINING = Needs(lambda v: not v.inference, "not with --inference",
                  "memory only")
 
 def _model_split(v, keys: tuple[str, ...] = ("tp", "pp", "cp")) -> str | None:
-    """The first split of the model itself (of ``keys``) that --parallel asks for. Those a
-    --model cannot have (tp, cp: computed for tfcli's own configuration only) are refused
-    before its code is imported (as is a --parallel that does not parse)."""
+    """The first split of the model itself (of ``keys``) that --parallel asks for."""
     from tfcli.parallel.layout import parse_parallel
 
     if v.parallel is None:
@@ -172,12 +170,6 @@ RULES = Rules(
         "only with --dtype fp32",
         "{option} {value} keeps fp32 weights and casts activations (torch.autocast); --dtype "
         "{v.dtype.value} makes the weights {v.dtype.value}: give one of the two")),
-    Rule("parallel", Needs(
-        lambda v: v.model_ref is None or v.unsplit is None, "cp: not with --model",
-        "{option} {value}: {v.unsplit} splits the model itself, which is computed for "
-        "tfcli's own configuration only (--preset/--config/--set); for --model, data "
-        "parallelism (dp=N,zero=0-3), pipeline stages (pp=P) and tensor parallelism (tp=T) "
-        "are")),
     Rule("tp_plan", any_model("{option} applies to --model; tfcli's own model splits its "
                               "attention and FFN matrices as Megatron-LM does"),
          Needs(lambda v: v.tensor_ranks > 1, "only with --parallel tp=T",
@@ -219,10 +211,10 @@ RULES = Rules(
                           "is kept back from --device-memory: add --device-memory SIZE|GPU")),
     Rule("optimizer_impl", STEP, TRAINING,
          Needs(lambda v: v.per_rank is None or v.data_parallel_only,
-               "not with tp/pp/cp/ep",
+               "not with tp/pp/ep",
                "{option} with {v.parallel}: the per-rank plan has an optimizer-step moment "
-               "with data parallelism alone (dp, zero), not with tp, pp, cp or ep; drop "
-               "{option}")),
+               "with data and context parallelism alone (dp, zero, cp), not with tp, pp or "
+               "ep; drop {option}")),
     Rule("mixed_precision", TRAINING),
     Rule("precision", TRAINING, Needs(
         lambda v: v.precision in (None, Precision.autocast) or v.dtype is DType.fp32,
@@ -262,10 +254,10 @@ RULES = Rules(
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
-             "unsplit": lambda v: _model_split(v, ("cp",)),
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "tensor_ranks": _tensor_ranks,
-             "data_parallel_only": lambda v: _model_split(v, ("tp", "pp", "cp", "ep")) is None,
+             # context-parallel ranks step the same shards as data-parallel ones
+             "data_parallel_only": lambda v: _model_split(v, ("tp", "pp", "ep")) is None,
              "rank_timeline": lambda v: _rank_timeline(v),
              "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
 )

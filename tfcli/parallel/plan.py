@@ -194,7 +194,7 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
     (b), ``seq_len`` the full sequence (s; each context-parallel rank holds s/C); without them
     only model states and parameter buffers are given. ``precision`` names the policy
     (tfcli.parallel.precision) every line follows. ``optimizer`` and ``optimizer_impl``
-    (data parallelism alone: no tp, pp, cp) add the optimizer's step as a moment."""
+    (data and context parallelism alone: no tp, pp) add the optimizer's step as a moment."""
     if checkpointing not in CHECKPOINTING:
         raise TfcliError(f"--checkpointing {checkpointing!r}: allowed: {', '.join(CHECKPOINTING)}")
     if par.ep > 1:
@@ -246,7 +246,8 @@ def plan(cfg: Config, par: Parallel, batch: int | None = None, seq_len: int | No
         if par.zero == 3 and not module and par.tp == par.pp == par.cp == 1:
             peaks = [_fsdp_peak(cfg, par, batch, seq_len, checkpointing, dtype, mixed,
                                 optimizer_states, precision, kernel, loop, device)]
-        if optimizer and optimizer_impl and par.tp == par.pp == par.cp == 1:
+        # context-parallel ranks step the same shards as data-parallel ones (par.shard)
+        if optimizer and optimizer_impl and par.tp == par.pp == 1:
             line, peaks[0] = optimizer_step(peaks[0], results[0], _trainable_shapes(cfg), n,
                                             par.zero, pol, optimizer, optimizer_impl)
             results[0].append(line)

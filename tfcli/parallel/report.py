@@ -255,7 +255,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     replay assumes (tfcli.inspection.memory.LOOPS). ``param_count``: no model, the model
     states of that many parameters (:func:`stated_states`). ``tp_plan``: --tp-plan's text, a
     --model's tensor-parallel plan (tfcli.parallel.tensor). ``optimizer_impl``: the
-    optimizer's implementation, whose step is a moment of the plan (data parallelism alone)."""
+    optimizer's implementation, whose step is a moment of the plan (data and context
+    parallelism alone)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES

@@ -48,17 +48,30 @@ WORKING = "activations: backward working set"
 
 
 def refuse_model_splits(par: Parallel, tensor: bool = False) -> None:
-    """Context parallelism is not computed for --model yet; tensor parallelism is by
-    tfcli.parallel.tensor.TensorParallelModel (``tensor``: the caller is it)."""
+    """Tensor parallelism is computed by tfcli.parallel.tensor.TensorParallelModel
+    (``tensor``: the caller is it)."""
     if par.tp > 1 and not tensor:
         raise TfcliError(f"--parallel tp={par.tp}: this is a plan of the whole model; one "
                          f"rank's share under tensor parallelism is "
                          f"tfcli.parallel.tensor.TensorParallelModel's")
-    if par.cp > 1:
-        raise TfcliError(f"--parallel cp={par.cp}: context parallelism is not computed yet "
-                         f"for --model (data dp=N,zero=0-3, tensor tp=T and pipeline pp=P "
-                         f"are); drop cp, or use tfcli's own configuration "
-                         f"(--preset/--config/--set)")
+
+
+CONTEXT_WORDS = ("each rank replays its {local} of the {whole} positions; the other ranks' keys "
+                 "and values its attention reads (all-gathered, or passed round a ring) are not "
+                 "counted")
+
+
+def check_context(subject, par: Parallel, seq_len: int | None) -> None:
+    """Context parallelism splits every length ``cp`` ways: the model needs a length, and
+    the length must divide evenly."""
+    if par.cp == 1:
+        return
+    if not subject.length_dims():
+        raise TfcliError(f"--parallel cp={par.cp}: context parallelism splits the sequence, "
+                         f"and the model's inputs have no length (their sizes are fixed); "
+                         f"drop cp")
+    if seq_len and seq_len % par.cp:
+        raise TfcliError(f"--seq-len {seq_len} is not divisible by cp={par.cp}")
 
 
 class TracedModel:
@@ -125,13 +138,14 @@ class TracedModel:
              kernel: str = "auto", loop: str = "loss-only", precision: str = "autocast",
              device: str = "cpu", micro_batches: int | None = None,
              optimizer: str | None = None, optimizer_impl: str | None = None) -> Plan:
-        """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch) gives
-        the activation lines, None only model states and buffers; every line follows the
+        """One rank's memory; ``sizes`` (B and the lengths at the rank's micro-batch, and
+        with cp > 1 its share of each length, as per_rank passes them) gives the activation
+        lines, None only model states and buffers; every line follows the
         precision policy ``precision`` (tfcli.parallel.precision); ``loop``: the training
         loop the replay assumes (tfcli.inspection.memory.LOOPS). With pp > 1, the stage that
         needs the most, ``micro_batches`` (default pp) per step (tfcli.parallel.pipeline).
-        ``optimizer`` and ``optimizer_impl`` (data parallelism alone) add the optimizer's
-        step as a moment (tfcli.parallel.plan.optimizer_step)."""
+        ``optimizer`` and ``optimizer_impl`` (data and context parallelism alone) add the
+        optimizer's step as a moment (tfcli.parallel.plan.optimizer_step)."""
         self._check_splits(par)
         if par.pp > 1:
             from tfcli.parallel.pipeline import pipeline_plan
@@ -163,7 +177,8 @@ class TracedModel:
                         f"the B·L·k token slots it receives, as many as in the replay")
             lines += act
             peak = self._peak(lines, estimate, per_unit, n, zero, sb, ep)
-            if optimizer and optimizer_impl and ep == 1 and par.tp == par.cp == 1:
+            # context-parallel ranks step the same shards as data-parallel ones (par.shard)
+            if optimizer and optimizer_impl and ep == 1 and par.tp == 1:
                 line, peak = optimizer_step(peak, lines, self.trainable_shapes, n, zero, sb,
                                             optimizer, optimizer_impl)
                 lines.append(line)
@@ -577,6 +592,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     refuse_model_splits(par, tensor=True)
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
+    check_context(subject, par, seq_len)
     if fit_what == "seq-len" and not subject.length_dims():
         raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
                          "sizes are fixed); use --fit batch")
@@ -591,13 +607,18 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                          "(T > 1) to --parallel")
     else:
         traced = TracedModel(subject, wrap, sizes_at(1, seq_len or subject.default_sizes["L"]))
+    if (par.cp > 1 and getattr(traced, "sequence", False) and seq_len
+            and seq_len // par.cp % par.tp):
+        raise TfcliError(f"--seq-len {seq_len}: cp={par.cp} leaves each rank "
+                         f"{seq_len // par.cp} positions, which sequence parallelism splits "
+                         f"tp={par.tp} ways; give a multiple of {par.cp * par.tp}")
     positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
     limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
 
-    def at(b: int, s: int | None) -> Plan:
-        return traced.plan(par, sizes_at(b, s) if s is not None else None, checkpointing,
-                           dtype, mixed, optimizer_states, kernel, loop, precision, device,
-                           micro_batches, optimizer, optimizer_impl)
+    def at(b: int, s: int | None) -> Plan:  # a context-parallel rank runs s / cp positions
+        return traced.plan(par, sizes_at(b, s // par.cp) if s is not None else None,
+                           checkpointing, dtype, mixed, optimizer_states, kernel, loop,
+                           precision, device, micro_batches, optimizer, optimizer_impl)
 
     found = bound = None
     step = 1
@@ -607,8 +628,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
         batch = found or 1
     elif fit_what == "seq-len":
         step = 64 if limit >= 256 else 1
-        if getattr(traced, "sequence", False):  # lengths the tensor-parallel ranks split evenly
-            step = math.lcm(step, par.tp)
+        # lengths the context-parallel ranks, then the sequence-parallel ones, split evenly
+        step = math.lcm(step, par.cp * (par.tp if getattr(traced, "sequence", False) else 1))
         bound = limit // step * step
         best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
         found = best * step if best else None
@@ -617,6 +638,10 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     data = result.to_dict()
     data["world_size"] = par.world
     data["conditions"]["seq_len"] = seq_len
+    data["conditions"]["seq_len_per_rank"] = seq_len // par.cp if seq_len else None
+    if par.cp > 1 and seq_len and data["conditions"].get("activations"):
+        data["conditions"]["activations"] += "; cp={}: {}".format(par.cp, CONTEXT_WORDS.format(
+            local=seq_len // par.cp, whole=seq_len))
     if capacity is not None:
         data["device"] = {"name": board, "bytes": capacity,
                           "headroom_bytes": capacity - result.need,
