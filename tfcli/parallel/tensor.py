@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import weakref
 from fnmatch import fnmatchcase
 
 from tfcli.errors import TfcliError, did_you_mean
@@ -288,18 +289,37 @@ def sequence_split(model, styles: dict[str, str]) -> tuple[list[str], list[str]]
     return gathered, norms
 
 
-def _gather_stream(module, args, kwargs):
-    """A forward pre-hook: each sequence-split DTensor the module is called with is
-    all-gathered and handed on as a whole local tensor (what torch's PrepareModuleInput does
-    with desired layout Replicate, for positional and keyword inputs alike)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+class _GatherStream:
+    """A forward pre-hook for the modules that gather their input: each sequence-split DTensor
+    the module is called with is all-gathered and handed on as a whole local tensor (what
+    torch's PrepareModuleInput does with desired layout Replicate, for positional and keyword
+    inputs alike), once per tensor: a second module called with the same DTensor (a parallel
+    block, Phi's, feeds attention and the MLP from one norm) gets the whole tensor
+    the first one's gather made, while that is alive, where PrepareModuleInput on both would
+    gather it twice and each projection keep its own copy for backward. That is torch's
+    PrepareModuleOutput on the norm (its output made Replicate once; tested). Tensors are
+    held weakly: the hook keeps nothing alive."""
 
-    def whole(x):
-        if isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements):
-            return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
-        return x
+    def __init__(self) -> None:
+        self._whole: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
-    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+    def __call__(self, module, args, kwargs):
+        return tuple(self._gathered(a) for a in args), \
+            {k: self._gathered(v) for k, v in kwargs.items()}
+
+    def _gathered(self, x):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not (isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements)):
+            return x
+        seen = self._whole.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1]() is not None:
+            return seen[1]()
+        whole = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+        self._whole = {key: refs for key, refs in self._whole.items()
+                       if refs[0]() is not None and refs[1]() is not None}
+        self._whole[id(x)] = (weakref.ref(x), weakref.ref(whole))
+        return whole
 
 
 def parallelize(model, mesh, styles: dict[str, str], t: int,
@@ -327,8 +347,9 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
             applied[style].append(text)
     plan.update((path, SequenceParallel()) for path in norms)
     parallelize_module(model, mesh, plan)
+    gather = _GatherStream()  # one for the model: modules share what it gathered
     for path in gathered:
-        modules[path].register_forward_pre_hook(_gather_stream, with_kwargs=True)
+        modules[path].register_forward_pre_hook(gather, with_kwargs=True)
     for group in (g for g in ties.values() if len(g) > 1):
         params = [modules[path]._parameters[name] for path, name in group]
         layouts = [getattr(p, "placements", None) for p in params]
@@ -585,4 +606,5 @@ class TensorParallelModel(TracedModel):
                 f"(Shard(1)): {len(norms)} norm(s) on their shard (SequenceParallel), "
                 f"{len(gathered)} module(s) all-gathering their input once ("
                 + ", ".join(dict.fromkeys(_wildcard(p) for p in gathered))
-                + "), row-split outputs and the embedding's reduce-scattered to the shard")
+                + "; a tensor given to two of them gathered once), row-split outputs and the "
+                "embedding's reduce-scattered to the shard")
