@@ -29,13 +29,15 @@ as torch runs it, not from formulas on a configuration.
   DTensor so the model's own code between the layers sees the whole shape), the norms on that
   stream run on their shard (torch's ``SequenceParallel``), each module that holds
   column-split projections (attention, the MLP) all-gathers its input once, and the head
-  all-gathers the final norm's output. A model whose code does not fit that split (a block
-  adding its residual beside its own projections) is refused in one line by the run. Beside
-  pipeline stages, the stages hand on the hidden state's sequence shard (the replay's block
-  inputs are those DTensors, counted by their local shards).
+  all-gathers the final norm's output; a block holding its norms and the residual sums
+  besides (a user's) gathers at its projections instead (:func:`sequence_split`), and one
+  tensor given to several modules is gathered once (:class:`_GatherStream`). A model whose
+  code does not fit that split is refused in one line by the run. Beside pipeline stages,
+  the stages hand on the hidden state's sequence shard (the replay's block inputs are those
+  DTensors, counted by their local shards).
 
 Not computed (refused in one line): styles torch's ParallelStyle cannot express (packed, expert
-and MLA weights), tp with cp or ep.
+and MLA weights), tp with ep.
 """
 
 from __future__ import annotations
@@ -275,17 +277,48 @@ def _is_norm(module) -> bool:
         type(module).__name__.endswith("Norm")
 
 
+def _width(module) -> int | None:
+    """The features a norm normalises, or a projection reads (its last weight dimension)."""
+    shape = getattr(module, "normalized_shape", None)
+    if shape:
+        return int(shape[-1])
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[-1]) if getattr(weight, "ndim", 0) else None
+
+
 def sequence_split(model, styles: dict[str, str]) -> tuple[list[str], list[str]]:
     """Where sequence parallelism changes a tensor-parallel split: the modules that gather
-    their input once (those holding column-split projections, but the model itself: an
-    attention, an MLP) and the norms on the residual stream (every norm not inside one of
-    those: a per-head q/k norm runs on a rank's own heads)."""
-    gathered = sorted({path.rpartition(".")[0] for path, style in styles.items()
-                       if style.startswith("colwise") and "." in path})
-    inside = tuple(path + "." for path in gathered)
-    norms = [path for path, module in model.named_modules()
+    their input once and the norms on the residual stream. A module holding column-split
+    projections (an attention, an MLP; not the model itself) gathers its input, and the norms
+    inside it stay on a rank's own heads (a per-head q/k norm). A block that also holds a norm
+    as wide as its projections' input (a user's block, norm, q, k, v and the residual sum in
+    one ``forward``) holds the stream itself: its column-split projections gather their input
+    instead (those given one tensor sharing one gather), and its norms of that width are on
+    the stream."""
+    modules = dict(model.named_modules())
+    by_parent: dict[str, list[str]] = {}
+    for path, style in styles.items():
+        if style.startswith("colwise") and "." in path:
+            by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+    gathered, streams = [], {}
+    for parent, projections in sorted(by_parent.items()):
+        widths = {_width(modules[path]) for path in projections}
+        # with every output left split (plain colwise), a norm that wide cannot be on one
+        # (OLMo 2's whole-q norm follows colwise_gather_output): it is on the block's input
+        wide = {path for path, module in modules[parent].named_children()
+                if _is_norm(module) and _width(module) in widths} \
+            if all(styles[path] == "colwise" for path in projections) else set()
+        if wide:
+            gathered += sorted(projections)
+            streams[parent + "."] = {f"{parent}.{name}" for name in wide}
+        else:
+            gathered.append(parent)
+    inside = tuple(path + "." for path in gathered if path not in styles)
+    norms = [path for path, module in modules.items()
              if path and _is_norm(module) and not path.startswith(inside)
-             and path not in gathered]
+             and path not in gathered
+             and all(path in wide for block, wide in streams.items()
+                     if path.startswith(block))]
     return gathered, norms
 
 
@@ -338,7 +371,8 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
             ties.setdefault(id(p), []).append((path, name))
     gathered, norms = sequence_split(model, styles) if sequence else ([], [])
     inside = tuple(path + "." for path in gathered)
-    plan = {path: _torch_style(style, modules[path], sequence, path.startswith(inside))
+    plan = {path: _torch_style(style, modules[path], sequence,
+                               path in gathered or path.startswith(inside))
             for path, style in styles.items() if STYLES[style][0] is not None}
     applied: dict[str, list[str]] = {}
     for path, style in styles.items():
@@ -348,8 +382,8 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
     plan.update((path, SequenceParallel()) for path in norms)
     parallelize_module(model, mesh, plan)
     gather = _GatherStream()  # one for the model: modules share what it gathered
-    for path in gathered:
-        modules[path].register_forward_pre_hook(gather, with_kwargs=True)
+    for path in gathered:  # before a projection's own input hook, which expects it whole
+        modules[path].register_forward_pre_hook(gather, with_kwargs=True, prepend=True)
     for group in (g for g in ties.values() if len(g) > 1):
         params = [modules[path]._parameters[name] for path, name in group]
         layouts = [getattr(p, "placements", None) for p in params]
@@ -473,12 +507,10 @@ class TensorParallelModel(TracedModel):
                 f"tensors): {error}; each split module hands on 1/{self.t} of its features, "
                 f"so the code after it must work on a share (heads divisible by tp, no sizes "
                 f"fixed in the code)" + (
-                    "; with sp=1 the residual stream between the modules that hold the "
-                    "split projections is a sequence-split DTensor from the input "
-                    "embedding's output to the head, so the plan must split both, and "
-                    "those modules must take the stream and return their projections' "
-                    "output (as Transformers' attention and MLP modules do), the residual "
-                    "added outside them"
+                    "; with sp=1 the residual stream is a sequence-split DTensor from the "
+                    "input embedding's (or first projection's) output to the head, so the "
+                    "plan must split both (a first Linear as rowwise_split_input, the head "
+                    "as colwise_rep)"
                     if self.sequence else "")) from None
         total, notes, excess, seen = 0, [], {}, set()
         for name, p in model.named_parameters():
