@@ -1362,6 +1362,24 @@ def test_context_parallel_ranks_of_any_model_replay_their_share_of_the_sequence(
     assert layers(context) < layers(whole)
 
 
+def test_context_parallel_ranks_beside_tensor_parallel_ones(cli):
+    """tp=2,cp=2 at L is tp=2,dp=2 at L/2 for a Transformers Qwen2 split by its own plan:
+    the context-parallel pair all-reduces its gradients as a data-parallel pair does (the
+    DDP bucket line) and each rank replays its half of the positions on its share of the
+    heads."""
+    qwen2 = str(Path(LLAMA_TINY).parent / "qwen2-tiny")
+
+    def plan(parallel: str, seq_len: int) -> dict:
+        result = cli("params", "--model", f"hf:{qwen2}", "--parallel", parallel, "--seq-len",
+                     str(seq_len), "--batch-size", "2", "--json")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    context, data = plan("tp=2,cp=2", 64), plan("tp=2,dp=2", 32)
+    assert context["memory"] == data["memory"] and context["peak"] == data["peak"]
+    assert "DDP gradient buckets" in {line["name"] for line in context["memory"]}
+
+
 def test_context_parallelism_needs_a_length_to_split(cli, tmp_path):
     (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(16, 4)\n")
     result = cli("params", "--model", f"{tmp_path}/m.py:build", "--input", "x=float32[B,16]",
