@@ -1380,14 +1380,48 @@ def test_context_parallel_ranks_beside_tensor_parallel_ones(cli):
     assert "DDP gradient buckets" in {line["name"] for line in context["memory"]}
 
 
+def test_context_parallel_length_searches_step_by_the_ranks(cli):
+    """--fit seq-len under cp searches lengths the ranks split evenly: with cp=3 in steps of
+    192, the bound max_position_embeddings (256) rounded down to one, said so; with cp=5 a
+    step (320) beyond the model's 256 positions is refused in one line, not replayed at a
+    length of 0."""
+    llama = ["params", "--model", f"hf:{LLAMA_TINY}", "--device-memory", "80GiB"]
+    three = cli(*llama, "--parallel", "cp=3", "--fit", "seq-len", "--json")
+    assert three.exit_code == 0, three.stderr
+    found = json.loads(three.stdout)["fit"]
+    assert (found["largest"], found["step"], found["bound"]) == (192, 192, 192)
+    assert found["bound_is"] == ("the configuration's max_position_embeddings (256) rounded "
+                                 "down to a multiple of 192")
+    five = cli(*llama, "--parallel", "cp=5", "--fit", "seq-len")
+    assert five.exit_code == 2 and len(five.stderr.strip().splitlines()) == 1
+    assert ("--fit seq-len: the lengths searched are multiples of 320 (split evenly over the "
+            "ranks), more than the configuration's max_position_embeddings=256") in five.stderr
+
+
+def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
+    """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
+    refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are
+    refused first."""
+    from tfcli.parallel.measure import MAX_FAKE_WORLD, _fake_world
+
+    with pytest.raises(TfcliError, match="ranks in one fake process group; tfcli replays a "
+                                         "split on at most 1,048,576"):
+        with _fake_world(MAX_FAKE_WORLD + 1):
+            pass
+
+
 def test_context_parallelism_needs_a_length_to_split(cli, tmp_path):
     (tmp_path / "m.py").write_text("import torch\nbuild = lambda: torch.nn.Linear(16, 4)\n")
     result = cli("params", "--model", f"{tmp_path}/m.py:build", "--input", "x=float32[B,16]",
                  "--parallel", "dp=2,cp=2")
     assert result.exit_code == 2
-    assert ("--parallel cp=2: context parallelism splits the sequence, and the model's inputs "
-            "have no length") in result.stderr
+    assert ("--parallel cp=2: context parallelism splits the token sequence, and the model's "
+            "inputs have no sequence length (their sizes are fixed)") in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    vit = str(Path(LLAMA_TINY).parent / "vit-tiny")  # lengths, but an image's sides
+    image = cli("params", "--model", f"hf:{vit}", "--seq-len", "64", "--parallel", "cp=2")
+    assert image.exit_code == 2
+    assert "no sequence length (H and W are an image's sides); drop cp" in image.stderr
     qwen2 = str(Path(LLAMA_TINY).parent / "qwen2-tiny")
     shared = cli("params", "--model", f"hf:{qwen2}", "--parallel", "tp=2,sp=1,cp=2",
                  "--seq-len", "66", "--batch-size", "2")

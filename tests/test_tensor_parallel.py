@@ -471,8 +471,9 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
     ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
      "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
      "backward pass failed in blocks.0.o (Linear)"),
-    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "so the plan must split "
-     "both (a first Linear as rowwise_split_input, the head as colwise_rep)"),
+    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "so every module that "
+     "reads it must be in the plan (a first Linear as rowwise_split_input, the head as "
+     "colwise_rep"),
     ("llama", ["--parallel", "tp=2,cp=2", "--seq-len", "31"], "--seq-len 31 is not divisible "
      "by cp=2"),
     ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "

@@ -22,6 +22,9 @@ from tfcli.errors import TfcliError
 from tfcli.model.config import Config
 
 
+MAX_FAKE_WORLD = 1 << 20
+
+
 @contextlib.contextmanager
 def _fake_world(world: int, shape: tuple[int, int] | None = None):
     """torch.distributed's fake process group of ``world`` ranks in this process (this one
@@ -33,6 +36,10 @@ def _fake_world(world: int, shape: tuple[int, int] | None = None):
 
     if dist.is_initialized():
         raise TfcliError("a process group is already initialised in this process")
+    if world > MAX_FAKE_WORLD:  # the mesh's rank table alone: 8 B a rank, before any check
+        raise TfcliError(f"--parallel: {world:,} ranks in one fake process group; tfcli "
+                         f"replays a split on at most {MAX_FAKE_WORLD:,} (torch's device mesh "
+                         f"holds a table of every rank)")
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         # The mesh reads its rank table with .tolist(): build it before fake tensors exist.

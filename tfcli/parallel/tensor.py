@@ -508,9 +508,10 @@ class TensorParallelModel(TracedModel):
                 f"so the code after it must work on a share (heads divisible by tp, no sizes "
                 f"fixed in the code)" + (
                     "; with sp=1 the residual stream is a sequence-split DTensor from the "
-                    "input embedding's (or first projection's) output to the head, so the "
-                    "plan must split both (a first Linear as rowwise_split_input, the head "
-                    "as colwise_rep)"
+                    "input embedding's (or first projection's) output to the head, so every "
+                    "module that reads it must be in the plan (a first Linear as "
+                    "rowwise_split_input, the head as colwise_rep, each projection that "
+                    "reads a norm's output)"
                     if self.sequence else "")) from None
         total, notes, excess, seen = 0, [], {}, set()
         for name, p in model.named_parameters():
@@ -638,5 +639,5 @@ class TensorParallelModel(TracedModel):
                 f"(Shard(1)): {len(norms)} norm(s) on their shard (SequenceParallel), "
                 f"{len(gathered)} module(s) all-gathering their input once ("
                 + ", ".join(dict.fromkeys(_wildcard(p) for p in gathered))
-                + "; a tensor given to two of them gathered once), row-split outputs and the "
-                "embedding's reduce-scattered to the shard")
+                + "; any tensor given to two of them gathered once), row-split outputs and "
+                "the embedding's reduce-scattered to the shard")

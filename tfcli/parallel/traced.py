@@ -66,9 +66,12 @@ def check_context(subject, par: Parallel, seq_len: int | None) -> None:
     the length must divide evenly."""
     if par.cp == 1:
         return
-    if not subject.length_dims():
-        raise TfcliError(f"--parallel cp={par.cp}: context parallelism splits the sequence, "
-                         f"and the model's inputs have no length (their sizes are fixed); "
+    lengths = subject.length_dims()
+    if not any(d in ("S", "T", "L") for d in lengths):
+        what = (f"{' and '.join(lengths)} are an image's sides" if lengths else
+                "their sizes are fixed")
+        raise TfcliError(f"--parallel cp={par.cp}: context parallelism splits the token "
+                         f"sequence, and the model's inputs have no sequence length ({what}); "
                          f"drop cp")
     if seq_len and seq_len % par.cp:
         raise TfcliError(f"--seq-len {seq_len} is not divisible by cp={par.cp}")
@@ -630,6 +633,11 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
         step = 64 if limit >= 256 else 1
         # lengths the context-parallel ranks, then the sequence-parallel ones, split evenly
         step = math.lcm(step, par.cp * (par.tp if getattr(traced, "sequence", False) else 1))
+        if step > limit:
+            raise TfcliError(f"--fit seq-len: the lengths searched are multiples of {step} "
+                             f"(split evenly over the ranks), more than the configuration's "
+                             f"max_position_embeddings={limit}; use fewer ranks on the "
+                             f"sequence, or give --seq-len")
         bound = limit // step * step
         best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
         found = best * step if best else None
@@ -653,6 +661,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                        "at_bound": found == bound,
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the configuration's max_position_embeddings"
+                                    + (f" ({limit:,}) rounded down to a multiple of {step}"
+                                       if bound != limit else "")
                                     if limit == positions else
                                     "the plan's limit for a model without a known length "
                                     "limit"),
