@@ -168,6 +168,9 @@ def test_context_parallel_splits_the_sequence():
     ("dp=8,zero=4", "zero=4 must be 0, 1, 2 or 3"), ("dq=2", "unknown key 'dq'"),
     ("tp=x", "tp='x' must be an integer"), ("dp=2,dp=4", "dp is given twice"),
     ("tp=0", "tp=0 must be a positive integer"), ("8", "expected key=value"),
+    # what Python's int() reads but a size is not written as
+    ("cp=2_0", "cp='2_0' must be an integer"), ("cp=+2", "cp='\\+2' must be an integer"),
+    ("cp=\uff12", "must be an integer"),
 ])
 def test_bad_parallel_specs(text, message):
     with pytest.raises(TfcliError, match=message):

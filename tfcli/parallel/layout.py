@@ -4,6 +4,8 @@ vocabulary-parallel embedding). No torch."""
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from tfcli.errors import TfcliError, did_you_mean
@@ -76,10 +78,9 @@ def parse_parallel(text: str) -> Parallel:
                              f"allowed: {', '.join(_KEYS)}")
         if key in values:
             raise TfcliError(f"--parallel: {key} is given twice")
-        try:
-            values[key] = int(raw)
-        except ValueError:
-            raise TfcliError(f"--parallel: {key}={raw.strip()!r} must be an integer") from None
+        if not re.fullmatch(r"[0-9]+", raw.strip()):  # int() also reads 2_0, +2 and ２
+            raise TfcliError(f"--parallel: {key}={raw.strip()!r} must be an integer")
+        values[key] = int(raw)
     if not values:
         raise TfcliError(f"--parallel {text!r}: expected e.g. dp=8,zero=3,tp=2")
     for key, value in values.items():
