@@ -5,7 +5,6 @@ vocabulary-parallel embedding). No torch."""
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 
 from tfcli.errors import TfcliError, did_you_mean

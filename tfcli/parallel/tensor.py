@@ -317,7 +317,7 @@ def sequence_split(model, styles: dict[str, str]) -> tuple[list[str], list[str]]
     norms = [path for path, module in modules.items()
              if path and _is_norm(module) and not path.startswith(inside)
              and path not in gathered
-             and all(path in wide for block, wide in streams.items()
+             and all(path in names for block, names in streams.items()
                      if path.startswith(block))]
     return gathered, norms
 
