@@ -128,6 +128,22 @@ def tracked(tp_models) -> dict:
     return out
 
 
+def _stream_ends(final_norm: str) -> dict:
+    """The ends of a Transformers model's sequence-split stream in torch's own styles: the
+    embedding reduce-scattering to Shard(1) (kept a DTensor: the model builds its mask and
+    positions from its output's shape), the final norm SequenceParallel, the head gathering
+    its input."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+
+    seq, whole = Shard(1), Replicate()
+    return {"model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq,
+                                                  use_local_output=False),
+            final_norm: SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole)}
+
+
 def torchtitan_sequence_parallel(model, mesh) -> None:
     """Sequence parallelism for a Transformers Llama, Qwen2 or Gemma 2 written with torch's
     own ParallelStyles, layer by layer as torchtitan's Llama plan writes it, not with tfcli's
@@ -143,10 +159,7 @@ def torchtitan_sequence_parallel(model, mesh) -> None:
                                                    parallelize_module)
 
     seq, whole = Shard(1), Replicate()
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq,
-                                                  use_local_output=False),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole)}
+    plan = _stream_ends("model.norm")
     for i in range(len(model.model.layers)):
         layer = f"model.layers.{i}"
         plan.update({
@@ -259,10 +272,7 @@ def phi_sequence_parallel(model, mesh) -> None:
                                                    parallelize_module)
 
     seq, whole = Shard(1), Replicate()
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq,
-                                                  use_local_output=False),
-            "model.final_layernorm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole)}
+    plan = _stream_ends("model.final_layernorm")
     for i in range(len(model.model.layers)):
         layer = f"model.layers.{i}"
         plan.update({
