@@ -42,7 +42,7 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (12 * GIB, 12 * GIB))
 
 
-@background.job("fake_world", cost=40)
+@background.job("fake_world", cost=50)
 def _fake_world() -> dict:
     scripts = {name: textwrap.dedent(write()) for name, write in _SCRIPTS.items()}
     runner = textwrap.dedent(f"""

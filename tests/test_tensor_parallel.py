@@ -7,9 +7,13 @@ apply_tensor_parallelism for the parameters a rank holds."""
 from __future__ import annotations
 
 import json
+import threading
+import textwrap
+from pathlib import Path
 
 import pytest
 
+from fake_world import script
 from tfcli.errors import TfcliError
 from tfcli.parallel.layout import Parallel
 
@@ -70,11 +74,33 @@ CASES = [("llama", 1, 2), ("llama", 1, 4), ("qwen2", 1, 2), ("qwen2", 1, 4), ("u
          ("llama", 2, 2)]
 
 
-@pytest.fixture(scope="module")
-def tp_models(tmp_path_factory) -> dict[str, list[str]]:
+_MODELS: dict[str, list[str]] = {}  # the --model arguments, once written
+_WRITING = threading.Lock()  # the tp_tracked script writes them in the background job's thread
+
+
+def _models() -> dict[str, list[str]]:
     """The --model arguments of a tiny Transformers Llama and Qwen2 (config.json files) and
-    of the user's module (with its --tp-plan), written to a temporary folder."""
-    where = tmp_path_factory.mktemp("tp")
+    of the user's module (with its --tp-plan), written to a temporary folder once per process
+    (for the tp_tracked script and the tests alike). Plain JSON, not Transformers' config
+    classes (see tests/test_parallel.py's _traced_files)."""
+    with _WRITING:
+        if not _MODELS:
+            _MODELS.update(_write_models())
+        return _MODELS
+
+
+@pytest.fixture(scope="module")
+def tp_models() -> dict[str, list[str]]:
+    return _models()
+
+
+def _write_models() -> dict[str, list[str]]:
+    import atexit
+    import shutil
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="tfcli-tp-"))
+    atexit.register(shutil.rmtree, where, True)
     for name in ("llama", "qwen2"):
         (where / f"{name}.json").write_text(json.dumps({"model_type": name, **COMMON}))
     # Gemma 2: norms before and after each branch (the attention's output normed before the
@@ -105,26 +131,27 @@ def _tp_plan(args: list[str]) -> str | None:
     return args[5] if len(args) > 4 else None
 
 
-@pytest.fixture(scope="module")
-def tracked(tp_models) -> dict:
-    """torch's tracker's figures and tfcli's plan for each case, at SIZES (one in-process fake
-    process group at a time)."""
-    from tfcli.parallel.measure import tp_fake_memory_subject
-    from tfcli.parallel.tensor import TensorParallelModel
+def _sizes(name: str) -> dict[str, int]:
+    """SIZES for the tensor-parallel cases: a user's module has no S or T."""
+    return {k: v for k, v in SIZES.items() if k in ("B", "L") or name != "user"}
 
-    import warnings
+
+BL = {"B": SIZES["B"], "L": SIZES["L"]}  # the sequence-parallel cases' sizes
+
+
+@pytest.fixture(scope="module")
+def tracked(torch_tracked, tp_models) -> dict:
+    """torch's tracker's figures (the tp_tracked script) and tfcli's plan for each case, at
+    SIZES."""
+    from tfcli.parallel.tensor import TensorParallelModel
 
     out = {}
     for name, dp, t in CASES:
         args = tp_models[name]
-        subject = _subject(args)
         par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
-        sizes = {k: v for k, v in SIZES.items() if k in ("B", "L") or name != "user"}
-        with warnings.catch_warnings():  # FSDP2's advice about the view the model returns
-            warnings.filterwarnings("ignore", "FSDP2-wrapped module")
-            measured = tp_fake_memory_subject(subject, t, sizes, _tp_plan(args), dp=dp)
-        plan = TensorParallelModel(subject, None, par, _tp_plan(args)).plan(par, sizes)
-        out[name, dp, t] = measured, plan
+        plan = TensorParallelModel(_subject(args), None, par, _tp_plan(args)).plan(
+            par, _sizes(name))
+        out[name, dp, t] = torch_tracked[f"tp/{name}/{dp}/{t}"], plan
     return out
 
 
@@ -187,25 +214,63 @@ SP_CASES = [("llama", 1, 2), ("qwen2", 1, 4), ("gemma2", 1, 2), ("llama", 2, 2)]
 
 
 @pytest.fixture(scope="module")
-def tracked_sp(tp_models) -> dict:
+def tracked_sp(torch_tracked, tp_models) -> dict:
     """torch's trackers on the model split by torchtitan_sequence_parallel, and tfcli's plan
-    with sp=1, for each of SP_CASES at SIZES; and tfcli's plan without sp beside it."""
-    from tfcli.parallel.measure import tp_fake_memory_subject
+    with sp=1, for each of SP_CASES at SIZES."""
     from tfcli.parallel.tensor import TensorParallelModel
 
-    import warnings
+    out = {}
+    for name, dp, t in SP_CASES:
+        par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
+        plan = TensorParallelModel(_subject(tp_models[name]), None, par, sequence=True).plan(
+            par, BL)
+        out[name, dp, t] = torch_tracked[f"sp/{name}/{dp}/{t}"], plan
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_tracked(fake_world) -> dict:
+    return fake_world["tp_tracked"]
+
+
+@script("tp_tracked")
+def _tp_tracked_script() -> str:
+    """torch's trackers (MemTracker, with FSDP beside FSDPMemTracker) on the models of this
+    module split by tfcli and by torch's own styles: measure_with_torch, run in the fake_world
+    job's process beside the in-process tests."""
+    return textwrap.dedent(f"""
+        import json, sys, warnings
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # its advice about views
+        import test_tensor_parallel
+        print(json.dumps(test_tensor_parallel.measure_with_torch({_models()!r})))
+        """)
+
+
+def measure_with_torch(models: dict[str, list[str]]) -> dict[str, dict]:
+    """What torch's trackers see (tfcli.parallel.measure.tp_fake_memory_subject) for every
+    case of this module, at SIZES: ``tp/NAME/DP/T`` tensor parallelism on the model's own plan
+    or --tp-plan (CASES); ``sp/NAME/DP/T`` the model split by torchtitan_sequence_parallel
+    (SP_CASES); ``own_sp/llama`` tfcli's sequence split of Llama; ``phi/torch``,
+    ``phi/own``, ``user/torch`` and ``user/own``: Phi's parallel block and the user's block
+    with its residual inside, split by torch's styles and by tfcli (tp = 2)."""
+    from tfcli.parallel.measure import tp_fake_memory_subject
 
     out = {}
-    sizes = {"B": SIZES["B"], "L": SIZES["L"]}
+    for name, dp, t in CASES:
+        out[f"tp/{name}/{dp}/{t}"] = tp_fake_memory_subject(
+            _subject(models[name]), t, _sizes(name), _tp_plan(models[name]), dp=dp)
     for name, dp, t in SP_CASES:
-        subject = _subject(tp_models[name])
-        par = Parallel(dp=dp, zero=3 if dp > 1 else 0, tp=t)
-        with warnings.catch_warnings():  # FSDP2's advice about the view the model returns
-            warnings.filterwarnings("ignore", "FSDP2-wrapped module")
-            measured = tp_fake_memory_subject(subject, t, sizes, dp=dp,
-                                              parallelize_with=torchtitan_sequence_parallel)
-        plan = TensorParallelModel(subject, None, par, sequence=True).plan(par, sizes)
-        out[name, dp, t] = measured, plan
+        out[f"sp/{name}/{dp}/{t}"] = tp_fake_memory_subject(
+            _subject(models[name]), t, BL, dp=dp, parallelize_with=torchtitan_sequence_parallel)
+    out["own_sp/llama"] = tp_fake_memory_subject(_subject(models["llama"]), 2, BL,
+                                                 sequence=True)
+    phi, user = _subject(models["phi"]), _subject(models["user"])
+    out["phi/torch"] = tp_fake_memory_subject(phi, 2, BL, parallelize_with=phi_sequence_parallel)
+    out["phi/own"] = tp_fake_memory_subject(phi, 2, BL, sequence=True)
+    out["user/torch"] = tp_fake_memory_subject(user, 2, BL,
+                                               parallelize_with=user_block_sequence_parallel)
+    out["user/own"] = tp_fake_memory_subject(user, 2, BL, USER_SP_PLAN, sequence=True)
     return out
 
 
@@ -247,15 +312,11 @@ def test_sequence_parallel_plan_agrees_with_torch_trackers_on_torchs_own_split(
         assert lines["weights"] == without["weights"]
 
 
-def test_tfclis_sequence_split_is_torchs_own_under_the_tracker(tracked_sp, tp_models):
+def test_tfclis_sequence_split_is_torchs_own_under_the_tracker(torch_tracked):
     """The step of the model as tfcli splits it with sp=1, under MemTracker, is the step of
     the model split with torch's own styles (torchtitan_sequence_parallel) to the byte: the
     peak and every category at it and after backward."""
-    from tfcli.parallel.measure import tp_fake_memory_subject
-
-    reference, _ = tracked_sp["llama", 1, 2]
-    own = tp_fake_memory_subject(_subject(tp_models["llama"]), 2,
-                                 {"B": SIZES["B"], "L": SIZES["L"]}, sequence=True)
+    reference, own = torch_tracked["sp/llama/1/2"], torch_tracked["own_sp/llama"]
     assert (own["peak"], own["after_backward"]) == (reference["peak"],
                                                     reference["after_backward"])
 
@@ -288,7 +349,7 @@ def phi_sequence_parallel(model, mesh) -> None:
             output_layouts=seq, desired_output_layouts=whole))
 
 
-def test_a_parallel_block_gathers_its_norms_output_once(tp_models):
+def test_a_parallel_block_gathers_its_norms_output_once(torch_tracked, tp_models):
     """Phi feeds attention and the MLP from one norm. With sp=1 tfcli gathers that norm's
     output once for both (the modules share their gather), as torch's PrepareModuleOutput on
     the norm does (phi_sequence_parallel), not once per module as PrepareModuleInput on each
@@ -296,18 +357,10 @@ def test_a_parallel_block_gathers_its_norms_output_once(tp_models):
     tracker on it (every line 2 %, the peak 1 %), and sp keeps less than tp alone (with a
     gather per module it kept 1.2 % more at the peak: a second whole copy of the norm's
     output saved by the MLP in every layer)."""
-    import warnings
-
-    from tfcli.parallel.measure import tp_fake_memory_subject
     from tfcli.parallel.tensor import TensorParallelModel
 
-    subject = _subject(tp_models["phi"])
-    sizes = {"B": SIZES["B"], "L": SIZES["L"]}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "FSDP2-wrapped module")
-        reference = tp_fake_memory_subject(subject, 2, sizes,
-                                           parallelize_with=phi_sequence_parallel)
-        own = tp_fake_memory_subject(subject, 2, sizes, sequence=True)
+    subject, sizes = _subject(tp_models["phi"]), BL
+    reference, own = torch_tracked["phi/torch"], torch_tracked["phi/own"]
     assert (own["peak"], own["after_backward"]) == (reference["peak"],
                                                     reference["after_backward"])
     par = Parallel(tp=2)
@@ -345,25 +398,18 @@ def user_block_sequence_parallel(model, mesh) -> None:
                                                                desired_output_layouts=whole))
 
 
-def test_a_users_block_with_its_residual_inside_is_split_along_the_sequence(tp_models):
+def test_a_users_block_with_its_residual_inside_is_split_along_the_sequence(torch_tracked,
+                                                                            tp_models):
     """A user's block that holds its norms, its projections and the residual sums in one
     forward holds the stream itself: with sp=1 tfcli runs its norms on the sequence shard and
     gathers at the column-split projections (q, k and v, given one tensor, share one gather),
     which is torch's split in user_block_sequence_parallel to the byte under MemTracker; the
     plan agrees with the tracker on it (every line 2 %, the peak 1 %) and keeps less than tp
     alone. Before, the run failed and sp was refused for such a model."""
-    import warnings
-
-    from tfcli.parallel.measure import tp_fake_memory_subject
     from tfcli.parallel.tensor import TensorParallelModel
 
-    subject = _subject(tp_models["user"])
-    sizes = {"B": SIZES["B"], "L": SIZES["L"]}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "FSDP2-wrapped module")
-        reference = tp_fake_memory_subject(subject, 2, sizes,
-                                           parallelize_with=user_block_sequence_parallel)
-        own = tp_fake_memory_subject(subject, 2, sizes, USER_SP_PLAN, sequence=True)
+    subject, sizes = _subject(tp_models["user"]), BL
+    reference, own = torch_tracked["user/torch"], torch_tracked["user/own"]
     assert (own["peak"], own["after_backward"]) == (reference["peak"],
                                                     reference["after_backward"])
     par = Parallel(tp=2)
