@@ -628,6 +628,18 @@ def test_params_parallel_json_lines_and_headroom(cli):
         "per layer: Korthikanti et al. 2022 (16-bit, math kernel)"
 
 
+def test_sequence_parallelism_is_off_without_tensor_parallelism(cli):
+    """sp splits what tensor parallelism leaves whole: with tp = 1 it is off, in --json and in
+    the header (which said sp=True for dp=2 alone), and said only where tp > 1."""
+    args = ["params", "-p", "tiny", "--seq-len", "16", "--batch-size", "2", "--parallel"]
+    alone = cli(*args, "dp=2")
+    assert alone.stdout.splitlines()[0].split() == [
+        "per", "rank:", "dp=2,", "zero=0,", "tp=1,", "pp=1,", "cp=1,", "ep=1", "(2", "ranks)"]
+    assert json.loads(cli(*args, "dp=2", "--json").stdout)["parallel"]["sp"] is False
+    assert Parallel(dp=2) == Parallel(dp=2, sp=False) and Parallel(tp=2).sp is True
+    assert "sp=True" in cli(*args, "tp=2").stdout.splitlines()[0]
+
+
 def test_params_and_its_per_rank_plan_share_one_json_schema(cli):
     """Both say ``memory`` for their lines, each line with the same keys."""
     args = ["params", "-p", "tiny", "--seq-len", "16", "--batch-size", "2", "--json"]

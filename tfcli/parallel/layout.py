@@ -41,6 +41,12 @@ class Parallel:
     # ranks (DeepSpeed-MoE's ep_size, Megatron-LM's expert-model-parallel size): not more ranks
     ep: int = 1
 
+    def __post_init__(self) -> None:
+        # sp splits what tensor parallelism leaves whole: with tp = 1 there is nothing to split,
+        # so it is off (the header and --json said sp=True for dp=2 alone)
+        if self.tp == 1 and self.sp:
+            object.__setattr__(self, "sp", False)
+
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp

@@ -140,7 +140,9 @@ def render(data: dict, console) -> None:
     from tfcli.render import human_bytes
 
     par, cond = data["parallel"], data["conditions"]
-    title = (f"per rank: {', '.join(f'{k}={v}' for k, v in par.items() if k != 'world_size')} "
+    shown = {k: v for k, v in par.items()
+             if k != "world_size" and (k != "sp" or par["tp"] > 1)}  # sp means nothing at tp=1
+    title = (f"per rank: {', '.join(f'{k}={v}' for k, v in shown.items())} "
              f"({par['world_size']} ranks)"
              + (f", pipeline stage {data['stage']}" if par["pp"] > 1 else ""))
     table = Table(title=title, title_justify="left")
