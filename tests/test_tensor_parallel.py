@@ -302,6 +302,8 @@ def test_sequence_parallel_plan_agrees_with_torch_trackers_on_torchs_own_split(
     assert p.conditions["tensor_parallel"]["tp"] == t and p.parallel.sp is True
     assert "applied: the residual stream split" in \
         p.conditions["tensor_parallel"]["sequence_parallel"]
+    assert "the outputs of model.embed_tokens and of the row-split projections" in \
+        p.conditions["tensor_parallel"]["sequence_parallel"]
     # the styles as torch applied them: the row-split outputs reduce-scattered to the stream
     assert "output_layouts=(Shard(dim=1),), use_local_output=False" in \
         p.conditions["tensor_parallel"]["styles"]["rowwise"]
@@ -416,6 +418,8 @@ def test_a_users_block_with_its_residual_inside_is_split_along_the_sequence(torc
     with_sp = TensorParallelModel(subject, None, par, USER_SP_PLAN, sequence=True)
     _agrees_with_the_tracker(reference, with_sp.plan(par, sizes), 1)
     gathered, norms = with_sp.sequence_modules
+    assert "the outputs of inp and of the row-split projections reduce-scattered" in \
+        with_sp.conditions()["sequence_parallel"]  # not "the embedding's": it has none
     assert sorted(norms) == [f"blocks.{i}.norm{n}" for i in (0, 1) for n in (1, 2)]
     assert "blocks.0.q" in gathered and "blocks.0" not in gathered
     alone = TensorParallelModel(subject, None, par, USER_SP_PLAN).plan(par, sizes)
@@ -530,6 +534,11 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
     ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "so every module that "
      "reads it must be in the plan (a first Linear as rowwise_split_input, the head as "
      "colwise_rep"),
+    # a head split by rows reads the stream by features: an all-to-all (exited 1 before)
+    ("user", ["--parallel", "tp=2,sp=1", "--seq-len", "64", "--tp-plan",
+              USER_SP_PLAN.replace("out=colwise_rep", "out=rowwise")],
+     "--parallel tp=2,sp=1: out is split by rows (rowwise) and reads the sequence-split "
+     "residual stream: its feature shards would come from an all-to-all"),
     ("llama", ["--parallel", "tp=2,cp=2", "--seq-len", "31"], "--seq-len 31 is not divisible "
      "by cp=2"),
     ("llama", ["--tp-plan", "lm_head=colwise"], "--tp-plan splits the model over "
@@ -577,6 +586,44 @@ def test_tp_bad_input_is_one_line(cli, tp_models, model, extra, message):
     assert result.exit_code == 2, (result.stdout, result.stderr)
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
         result.stderr
+
+
+FIXED_LENGTH = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.out = nn.Linear(64, 16)
+
+    def forward(self, x):
+        assert x.shape[1] == 128, f"this model takes 128 positions, not {x.shape[1]}"
+        h = self.inp(x)
+        return self.out(h + self.mlp(h))
+"""
+
+
+def test_a_model_that_takes_one_length_is_split_at_the_length_asked(cli, tmp_path):
+    """The split is first run at the asked length (it was run at a short default one, L = 9,
+    and a model that asserts its length was refused under tp though it runs at --seq-len);
+    where the model itself cannot run at the length asked, the failure is the model's (exit
+    1, as without tp), not the plan's."""
+    (tmp_path / "m.py").write_text(FIXED_LENGTH)
+    args = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,16]",
+            "--parallel", "tp=2", "--tp-plan", "mlp.0=colwise,mlp.2=rowwise", "--batch-size",
+            "2", "--seq-len"]
+    asked = cli(*args, "128", "--json")
+    assert asked.exit_code == 0, asked.stderr
+    assert json.loads(asked.stdout)["conditions"]["tensor_parallel"]["modules_split"] == 2
+    other = cli(*args, "64")
+    assert other.exit_code == 1, other.stderr
+    assert "this model takes 128 positions, not 64" in other.stderr
+    assert "the model whole: before any split" in other.stderr
+    assert "one rank's share cannot run" not in other.stderr
 
 
 def test_tp_plan_is_for_a_model(cli):

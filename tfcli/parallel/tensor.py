@@ -399,6 +399,31 @@ def parallelize(model, mesh, styles: dict[str, str], t: int,
     return gathered, norms, {style: " / ".join(texts) for style, texts in applied.items()}
 
 
+def _row_split_stream_readers(model, styles: dict[str, str]) -> list[str]:
+    """Watch the modules split by rows (``rowwise`` Linears, whose input is split by
+    features): the paths of those called with the sequence-split stream (a DTensor sharded
+    along the sequence) are added to the list returned, as the model runs."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard
+
+    modules, readers = dict(model.named_modules()), []
+
+    def watch(path: str):
+        def hook(module, args, kwargs):
+            given = [*args, *kwargs.values()]
+            if path not in readers and any(
+                    isinstance(a, DTensor) and any(isinstance(p, Shard) and p.dim == 1
+                                                   for p in a.placements) for a in given):
+                readers.append(path)
+        return hook
+
+    for path, style in styles.items():
+        if style == "rowwise" and not isinstance(modules[path], nn.Embedding):
+            modules[path].register_forward_pre_hook(watch(path), with_kwargs=True,
+                                                    prepend=True)
+    return readers
+
+
 def _local(t):
     return getattr(t, "_local_tensor", t)
 
@@ -426,17 +451,20 @@ def _untie(model) -> None:
 class TensorParallelModel(TracedModel):
     """A subject split by tensor parallelism over ``par.tp`` ranks: the TracedModel of one
     rank's share (its units and parameter groups hold local shards), replayed as torch runs
-    it. ``tp_plan``: --tp-plan's text (None: the Transformers model's own plan)."""
+    it. ``tp_plan``: --tp-plan's text (None: the Transformers model's own plan); ``probe``:
+    the sizes the split is first run at (the asked ones, at B = 1: a model that takes one
+    length only runs there; default the subject's small default sizes)."""
 
     def __init__(self, subject, wrap: str | None, par: Parallel,
-                 tp_plan: str | None = None, sequence: bool = False) -> None:
+                 tp_plan: str | None = None, sequence: bool = False,
+                 probe: dict[str, int] | None = None) -> None:
         refuse_model_splits(par, tensor=True)
         if par.ep > 1:
             raise TfcliError(f"--parallel tp={par.tp},ep={par.ep}: expert parallelism beside "
                              f"tensor parallelism is not computed yet for --model; drop one")
         self.subject, self.wrap, self.t, self.sequence = subject, wrap, par.tp, sequence
         # the sizes the split is probed at: lengths the t ranks share evenly
-        self.probe = {**subject.default_sizes, "B": 1}
+        self.probe = {**subject.default_sizes, **(probe or {}), "B": 1}
         if sequence:
             self.probe.update((d, -(-self.probe[d] // self.t) * self.t)
                               for d in subject.length_dims() if d in self.probe)
@@ -444,14 +472,20 @@ class TensorParallelModel(TracedModel):
         self.tp_plan_text = tp_plan
         with fake_world(self.t) as mesh:
             model = self._split(mesh)
+            readers = _row_split_stream_readers(model, self.styles) if sequence else []
             self._survey(model)
             self.whole = sum(p.numel() for p in model.parameters())  # the global shapes
             self.split = sum(1 for style in self.styles.values() if STYLES[style][0])
-            self.grad_numel, self.grad_notes, self.grad_excess = self._gradients(model)
+            try:
+                self.grad_numel, self.grad_notes, self.grad_excess = self._gradients(model)
+            finally:  # the probe ran (or failed) with the readers watched
+                self._refuse_stream_readers(readers)
 
     def _split(self, mesh, dtype=None):
         """The subject built on fake tensors and split; the first time, its plan is
         resolved and checked."""
+        from torch import nn
+
         model = self.subject.build("cpu", dtype)
         if not hasattr(self, "styles"):
             rules, self.plan_from = model_rules(self.subject, model, self.tp_plan_text, self.t)
@@ -459,6 +493,13 @@ class TensorParallelModel(TracedModel):
                 f"--parallel tp={self.t} ({self.plan_from})"
             self.rules = rules
             self.styles = resolve(model, rules, self.t, origin)
+            modules = dict(model.named_modules())
+            # what starts the stream: a module split by rows from a whole input (an embedding
+            # by its vocabulary, a first Linear by its input features), as _torch_style has it
+            self.stream_starts = [
+                path for path, style in self.styles.items()
+                if style in ("rowwise_split_input", "rowwise_rep", "embedding_rowwise")
+                or (style == "rowwise" and isinstance(modules[path], nn.Embedding))]
             check_heads(self.subject, self.styles, self.t)
             colwise = [path for path, style in self.styles.items()
                        if style == "embedding_colwise"]
@@ -499,7 +540,8 @@ class TensorParallelModel(TracedModel):
             with running(model, "forward and backward pass"):
                 loss = self.subject.loss(inputs(model))
                 torch.autograd.backward(loss)
-        except RunFailed as error:  # the plan, not the model: it runs whole
+        except RunFailed as error:
+            self._runs_whole(sizes)  # the model's own failure is said as the model's
             where = "--tp-plan" if self.tp_plan_text is not None else "its plan"
             raise TfcliError(
                 f"--parallel tp={self.t}{',sp=1' if self.sequence else ''} with {where}: "
@@ -525,6 +567,31 @@ class TensorParallelModel(TracedModel):
                              f"{'×'.join(map(str, _local(p).shape))})")
                 excess[name] = (grad.numel() - _local(p).numel(), notes[-1])
         return total, notes, excess
+
+    def _refuse_stream_readers(self, readers: list[str]) -> None:
+        if readers:
+            raise TfcliError(
+                f"--parallel tp={self.t},sp=1: {readers[0]} is split by rows (rowwise) and "
+                f"reads the sequence-split residual stream: its feature shards would come "
+                f"from an all-to-all (Shard(1) to Shard(-1)), which torch's CPU process "
+                f"group cannot run on fake tensors; split it by columns (colwise_rep for a "
+                f"head, colwise inside a block) or drop sp=1")
+
+    def _runs_whole(self, sizes: dict[str, int]) -> None:
+        """Raise the model's own failure (exit 1, as without tensor parallelism) when the
+        whole model, unsplit, cannot run at ``sizes`` either: then the plan is not to blame."""
+        import torch
+
+        from tfcli.inspection.memory import REPLAY
+        from tfcli.subjects.base import RunFailed, running
+
+        model = self.subject.build("cpu")
+        inputs = self.subject.step_inputs(model, sizes, "cpu")
+        try:
+            with running(model, "forward and backward pass"):
+                torch.autograd.backward(self.subject.loss(inputs(model)))
+        except RunFailed as error:
+            raise RunFailed(f"{error} ({REPLAY}, the model whole: before any split)") from None
 
     def plan(self, par: Parallel, *args, **kwargs):
         result = super().plan(par, *args, **kwargs)
@@ -639,5 +706,6 @@ class TensorParallelModel(TracedModel):
                 f"(Shard(1)): {len(norms)} norm(s) on their shard (SequenceParallel), "
                 f"{len(gathered)} module(s) all-gathering their input once ("
                 + ", ".join(dict.fromkeys(_wildcard(p) for p in gathered))
-                + "; any tensor given to two of them gathered once), row-split outputs and "
-                "the embedding's reduce-scattered to the shard")
+                + "; any tensor given to two of them gathered once), the outputs of "
+                + ", ".join(self.stream_starts) + " and of the row-split projections "
+                "reduce-scattered to the shard")

@@ -604,7 +604,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
         from tfcli.parallel.tensor import TensorParallelModel, sequence_parallel_asked
 
         traced = TensorParallelModel(subject, wrap, par, tp_plan,
-                                     sequence_parallel_asked(parallel))
+                                     sequence_parallel_asked(parallel),
+                                     sizes_at(1, seq_len // par.cp) if seq_len else None)
     elif tp_plan is not None:
         raise TfcliError("--tp-plan splits the model over tensor-parallel ranks: add tp=T "
                          "(T > 1) to --parallel")
