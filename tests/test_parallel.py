@@ -1413,6 +1413,58 @@ def test_context_parallel_length_searches_step_by_the_ranks(cli):
             "ranks), more than the configuration's max_position_embeddings=256") in five.stderr
 
 
+@pytest.mark.parametrize("subject,parallel,found", [
+    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "6.5MiB"], "dp=2", 28),
+    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "6.5MiB"], "cp=2", 56),
+    (["-p", "tiny", "--set", "max_seq_len=1024", "--device-memory", "1MB"], "dp=2", 5)])
+def test_a_length_below_one_step_is_found_where_no_step_fits(cli, subject, parallel, found):
+    """--fit seq-len searches in steps of 64; where not even 64 fits, it searched no further
+    and said "nothing fits: even seq-len = 64" though shorter lengths fit. Now it searches
+    below one step, in lengths the ranks split evenly (cp=2: even lengths), and says so; the
+    answer fits and the next length the ranks can split does not."""
+    args = ["params", *subject, "--reserve", "0", "--batch-size", "2", "--parallel", parallel]
+    result = cli(*args, "--fit", "seq-len", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["fit"]["largest"], data["fit"]["step"], data["fit"]["below_step"]) == \
+        (found, 64, True)
+    unit = 2 if "cp=2" in parallel else 1
+    assert "then, where not even 64 fits, in steps of {} below it".format(unit) in \
+        data["fit"]["searched"]
+    fits = [json.loads(cli(*args, "--seq-len", str(n), "--json").stdout)["device"]["fits"]
+            for n in (found, found + unit)]
+    assert fits == [True, False]
+    text = " ".join(cli(*args, "--fit", "seq-len").stdout.split())
+    assert f"largest seq-len that fits: {found} (below one step of 64" in text
+
+
+def test_nothing_fits_names_the_shortest_length_tried(cli):
+    result = cli("params", "--model", f"hf:{LLAMA_TINY}", "--parallel", "dp=2", "--fit",
+                 "seq-len", "--device-memory", "1MiB", "--reserve", "0")
+    assert "nothing fits: even seq-len = 1 exceeds the device; the table is at seq-len = 1" in \
+        " ".join(result.stdout.split())
+
+
+def test_context_parallel_ranks_are_given_a_length_the_whole_model_takes(cli, tmp_path):
+    """With cp each rank replays its L/C positions, which cannot see a limit on the whole
+    sequence: Whisper (16 target positions) at L = 32, cp=2 was answered from 16-position
+    replays. The whole model is now run at L first (a forward on fake tensors): its own
+    failure, exit 1, as without cp; at L = 16 it answers."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="whisper", d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, vocab_size=96, num_mel_bins=10, max_source_positions=12,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3)))
+    args = ["params", "--model", f"hf:{tmp_path}", "--parallel", "cp=2", "--seq-len"]
+    refused = cli(*args, "32")
+    assert refused.exit_code == 1, refused.stderr
+    assert "cannot exceed the maximum allowed length of 16 tokens" in refused.stderr
+    assert "with cp=2 each rank replays 16 positions, but the model is given the whole " \
+        "sequence" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert cli(*args, "16").exit_code == 0
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are

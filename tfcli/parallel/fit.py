@@ -148,6 +148,22 @@ def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> i
     return lo
 
 
+def fit_length(need: Callable[[int], int], capacity: int, step: int, unit: int,
+               top: int) -> tuple[int | None, int]:
+    """The largest length that fits, searched in multiples of ``step`` up to ``top`` steps
+    (what people train at, and a dozen replays instead of two dozen); when not even one step
+    fits, the largest multiple of ``unit`` (what the ranks split evenly) below one step. The
+    length (None: nothing fits) and the step it was last searched in (``unit`` when it went
+    below one step: then, with nothing found, ``unit`` itself did not fit)."""
+    best = fit(lambda k: need(k * step), capacity, 1, top)
+    if best:
+        return best * step, step
+    if step > unit:
+        below = fit(lambda k: need(k * unit), capacity, 1, step // unit - 1)
+        return (below * unit if below else None), unit
+    return None, step
+
+
 def fit_confirmed(evaluate: Callable[[int], int | None], capacity: int, low: int, high: int,
                   second: int | None = None) -> tuple[int | None, dict[int, int | None]]:
     """The largest x in [low, high] with evaluate(x) <= capacity, and every x evaluated with

@@ -4,7 +4,7 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.parallel.fit import device_budget, fit
+from tfcli.parallel.fit import device_budget, fit, fit_length
 from tfcli.parallel.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -34,7 +34,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                     optimizer=optimizer, optimizer_impl=optimizer_impl)
 
     found = bound = None
-    step = 1
+    step = searched_in = 1
     if fit_what == "batch":
         bound = 1 << 16
         found = fit(lambda b: at(b, seq_len).need, capacity, 1, bound)
@@ -44,9 +44,9 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
         # allows (what people train at; a dozen replays instead of two dozen)
         step = par.cp * (64 if limit >= 256 * par.cp else 1)
         bound = limit // step * step
-        best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
-        found = best * step if best else None
-        seq_len = found or step
+        found, searched_in = fit_length(lambda s: at(batch, s).need, capacity, step, par.cp,
+                                        limit // step)
+        seq_len = found or searched_in  # nothing fits: the plan at the shortest length tried
     if seq_len is not None and seq_len > limit:
         raise TfcliError(f"--seq-len {seq_len}: the per-rank plan goes up to {limit:,} for a "
                          f"model without positions" if cfg.positional == "none" else
@@ -60,6 +60,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
     if fit_what is not None:
         data["fit"] = {"what": fit_what, "largest": found, "step": step, "bound": bound,
                        "at_bound": found == bound,
+                       "below_step": fit_what == "seq-len" and searched_in < step,
+                       "smallest": 1 if fit_what == "batch" else searched_in,  # tried
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the plan's limit for a model without positions"
                                     if cfg.positional == "none" else
@@ -67,9 +69,15 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                                     "max_seq_len"),
                        "searched": "the per-rank peak of a step, assumed to grow with "
                                    f"{fit_what}: extrapolated, then galloping and bisection"
-                                   + (f", lengths in steps of {step}" if fit_what == "seq-len"
+                                   + (steps_words(step, par.cp) if fit_what == "seq-len"
                                       else "")}
     return data
+
+
+def steps_words(step: int, unit: int) -> str:
+    return f", lengths in steps of {step}" + (
+        f" (then, where not even {step} fits, in steps of {unit} below it)"
+        if step > unit else "")
 
 
 def parse_param_count(text: str) -> int:
@@ -222,12 +230,15 @@ def render(data: dict, console) -> None:
         what, step = fit_["what"], fit_["step"]
         if fit_["largest"]:
             notes.append(f"largest {what} that fits: {fit_['largest']:,}"
-                         + (f" (lengths in steps of {step})" if step > 1 else "")
+                         + (f" (below one step of {step}: lengths searched below it too)"
+                            if fit_.get("below_step") else
+                            f" (lengths in steps of {step})" if step > 1 else "")
                          + (f"; that is {fit_['bound_is']}, so more may fit"
                             if fit_["at_bound"] else ""))
         else:
-            notes.append(f"nothing fits: even {what} = {step} exceeds the device; the table is "
-                         f"at {what} = {step}")
+            smallest = fit_.get("smallest", step)
+            notes.append(f"nothing fits: even {what} = {smallest} exceeds the device; the "
+                         f"table is at {what} = {smallest}")
     if "device" in data:
         dev = data["device"]
         room = dev["headroom_bytes"]

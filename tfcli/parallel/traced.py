@@ -77,6 +77,25 @@ def check_context(subject, par: Parallel, seq_len: int | None) -> None:
         raise TfcliError(f"--seq-len {seq_len} is not divisible by cp={par.cp}")
 
 
+def runs_whole(subject, sizes: dict[str, int]) -> str | None:
+    """Whether the whole model runs a forward pass at ``sizes`` (fake tensors, no weights):
+    None if it does, else the model's own failure (one line). Context parallelism replays one
+    rank's share of the length, which cannot see what the model refuses of the whole
+    sequence (more positions than it has)."""
+    from tfcli.subjects.base import RunFailed, running
+
+    device, abstract = subject.abstract_run("meta")
+    try:
+        with abstract:
+            model = subject.build(device)
+            inputs = subject.step_inputs(model, sizes, device)
+            with running(model):
+                inputs(model)
+    except RunFailed as error:
+        return str(error)
+    return None
+
+
 class TracedModel:
     """A subject's model built once on meta (its units and parameter groups), and plans of it
     at any batch and length, each from a replay (cached: --fit asks again)."""
@@ -588,9 +607,9 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size; ``tp_plan``: --tp-plan's
     text (tfcli.parallel.tensor)."""
-    from tfcli.parallel.fit import fit, parse_device_memory
+    from tfcli.parallel.fit import fit, fit_length, parse_device_memory
     from tfcli.parallel.layout import parse_parallel
-    from tfcli.parallel.report import FIT, check_request
+    from tfcli.parallel.report import FIT, steps_words, check_request
 
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     refuse_model_splits(par, tensor=True)
@@ -619,13 +638,16 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     positions = getattr(getattr(subject, "config", None), "max_position_embeddings", None)
     limit = positions if isinstance(positions, int) and positions > 0 else 1 << 20
 
+    whole_fails = functools.lru_cache(maxsize=None)(
+        lambda s: runs_whole(subject, sizes_at(1, s)) if par.cp > 1 else None)
+
     def at(b: int, s: int | None) -> Plan:  # a context-parallel rank runs s / cp positions
         return traced.plan(par, sizes_at(b, s // par.cp) if s is not None else None,
                            checkpointing, dtype, mixed, optimizer_states, kernel, loop,
                            precision, device, micro_batches, optimizer, optimizer_impl)
 
     found = bound = None
-    step = 1
+    step = searched_in = 1
     if fit_what == "batch":
         bound = 1 << 16
         found = fit(lambda b: at(b, seq_len).need, capacity, 1, bound)
@@ -633,16 +655,26 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     elif fit_what == "seq-len":
         step = 64 if limit >= 256 else 1
         # lengths the context-parallel ranks, then the sequence-parallel ones, split evenly
-        step = math.lcm(step, par.cp * (par.tp if getattr(traced, "sequence", False) else 1))
+        unit = par.cp * (par.tp if getattr(traced, "sequence", False) else 1)
+        step = math.lcm(step, unit)
         if step > limit:
             raise TfcliError(f"--fit seq-len: the lengths searched are multiples of {step} "
                              f"(split evenly over the ranks), more than the configuration's "
                              f"max_position_embeddings={limit}; use fewer ranks on the "
                              f"sequence, or give --seq-len")
         bound = limit // step * step
-        best = fit(lambda k: at(batch, k * step).need, capacity, 1, limit // step)
-        found = best * step if best else None
-        seq_len = found or step
+        # with cp, a length the whole model refuses does not fit, whatever one rank keeps
+        found, searched_in = fit_length(
+            lambda s: capacity + 1 if whole_fails(s) else at(batch, s).need, capacity, step,
+            unit, limit // step)
+        seq_len = found or searched_in  # nothing fits: the plan at the shortest length tried
+    if seq_len and whole_fails(seq_len):
+        from tfcli.subjects.base import RunFailed
+
+        raise RunFailed(f"{whole_fails(seq_len)} (a forward pass of the whole model at "
+                        f"L={seq_len}, B=1, on fake tensors: with cp={par.cp} each rank "
+                        f"replays {seq_len // par.cp} positions, but the model is given the "
+                        f"whole sequence)")
     result = at(batch, seq_len)
     data = result.to_dict()
     data["world_size"] = par.world
@@ -660,6 +692,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
         assert fit_what in FIT
         data["fit"] = {"what": fit_what, "largest": found, "step": step, "bound": bound,
                        "at_bound": found == bound,
+                       "below_step": fit_what == "seq-len" and searched_in < step,
+                       "smallest": 1 if fit_what == "batch" else searched_in,  # tried
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the configuration's max_position_embeddings"
                                     + (f" ({limit:,}) rounded down to a multiple of {step}"
@@ -669,6 +703,6 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                                     "limit"),
                        "searched": "the per-rank peak of a step, assumed to grow with "
                                    f"{fit_what}: extrapolated, then galloping and bisection"
-                                   + (f", lengths in steps of {step}" if fit_what == "seq-len"
+                                   + (steps_words(step, unit) if fit_what == "seq-len"
                                       else "")}
     return data
