@@ -329,8 +329,9 @@ class _UnitsBackward:
         self.start_peak = self.start_live = self.end_peak = None
         self.late_numel = 0
         self.unit_excess = 0
+        self.unit_working = 0  # the same without the unit's gradients (a pipeline stage's)
         self._unit: int | None = None  # the unit whose backward runs
-        self._base = self._grads = self._high = 0
+        self._base = self._grads = self._high = self._plain = 0
         self._peak_before_end: int | None = None
 
     def watch_input(self, tensors) -> None:
@@ -354,13 +355,14 @@ class _UnitsBackward:
         if unit != self._unit and self._peak_before_end is None:
             self._unit_over()
             self._unit, self._grads = unit, 0
-            self._base = self._high = self.live.live
+            self._base = self._high = self._plain = self.live.live
 
     def allocated(self) -> None:
         """After each allocation: what FSDP2 would hold, the unit's gradients kept. (Not at
         the accumulation itself, where the replay still holds the gradient it adds in.)"""
         if self._unit is not None:
             self._high = max(self._high, self.live.live + self._grads)
+            self._plain = max(self._plain, self.live.live)
 
     def _unit_grad(self, p) -> None:
         if self._unit is not None:
@@ -373,6 +375,7 @@ class _UnitsBackward:
     def _unit_over(self) -> None:
         if self._unit is not None:
             self.unit_excess = max(self.unit_excess, self._high - self._base)
+            self.unit_working = max(self.unit_working, self._plain - self._base)
             self._unit = None
 
     def _ended(self, grad) -> None:
@@ -449,6 +452,11 @@ class ActivationEstimate:
     end_peak: int | None = None
     late_root_numel: int = 0
     unit_excess: int = 0  # the most one unit's backward adds, its gradients kept
+    # the most one unit's backward adds with the gradients already there (as in the replay):
+    # gradients in flight inside it, less what it frees as it goes
+    unit_working: int = 0
+    output_bytes: int = 0  # the model's output (its distinct storages)
+    output_unsaved: int = 0  # of it, what autograd did not save for backward
 
     @property
     def working_bytes(self) -> int:
@@ -517,8 +525,9 @@ def simulate_training_step(build: Callable[[], nn.Module],
                 finally:
                     for handle in handles:
                         handle.remove()
-                held = (_output_bytes(output, set(saved.by_storage)) if loop == "keep-output"
-                        else 0)
+                unsaved = _output_bytes(output, set(saved.by_storage))
+                held = unsaved if loop == "keep-output" else 0
+                output_bytes = _output_bytes(output, set())
                 if loop != "keep-output":
                     del output
                 sums = saved.sums()
@@ -535,11 +544,12 @@ def simulate_training_step(build: Callable[[], nn.Module],
             if marks is not None:
                 marks.close()
     estimate = ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, sources, after,
-                                  held, before)
+                                  held, before, output_bytes=output_bytes,
+                                  output_unsaved=unsaved)
     if marks is not None and marks.start_peak is not None:
         estimate = replace(estimate, start_peak=marks.start_peak, start_live=marks.start_live,
                            end_peak=marks.end_peak, late_root_numel=marks.late_numel,
-                           unit_excess=marks.unit_excess)
+                           unit_excess=marks.unit_excess, unit_working=marks.unit_working)
     return estimate
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from tfcli.errors import TfcliError
 from tfcli.parallel.layout import Line, Parallel, stage_sizes
-from tfcli.parallel.plan import Plan, step_peak
+from tfcli.parallel.plan import Peak, Plan, step_peak
 from tfcli.parallel.precision import Policy, check_stage, policy
 from tfcli.parallel.traced import WORKING, kept_per_unit
 from tfcli.parallel.units import Group, Units, find_units, group, shard_numel
@@ -260,9 +260,9 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
             unit = (st.largest_module if sb.name == "deepspeed"
                     else largest.trainable if largest else 0)
             shard = shard_numel(largest.trainable_shapes, n) if largest else 0
-            peaks.append(step_peak(lines, kept, True,
-                                   unit * sb.unit_grads if zero == 3 else 0,
-                                   shard * sb.grads if zero == 3 else 0))
+            peaks.append(_stage_peak(lines, kept, in_flight(pp, st.index, m), m,
+                                     unit * sb.unit_grads if zero == 3 else 0,
+                                     shard * sb.grads if zero == 3 else 0))
         results.append(lines)
     totals = [sum(line.bytes for line in lines) for lines in results]
     need = [p.bytes for p in peaks] if peaks else totals
@@ -294,6 +294,33 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
                 peaks[worst] if peaks else None)
 
 
+# the activation lines that hold one copy per micro-batch in flight
+_PER_MICRO_BATCH = ("activations: layers", "activations: stage outputs",
+                    "activations: before the blocks", "activations: after the blocks")
+
+
+def _stage_peak(lines: list[Line], kept: int, flight: int, m: int, unit_grads: int,
+                unit_shard: int) -> Peak:
+    """A stage's peak. With more micro-batches than it keeps in flight, gradients accumulate
+    while it holds the most activations (its second backward onwards runs beside forwards).
+    With all M in flight before the first backward (M ≤ P - s: the first stage at M = P) the
+    first backward, the one with the most activations, runs before any gradient exists, and
+    from the second on one micro-batch's activations are gone: both moments are compared."""
+    accumulating = m > flight
+    peak = step_peak(lines, kept, accumulating, unit_grads, unit_shard)
+    if accumulating or flight < 2:
+        return peak
+    bytes_of = {line.name: line.bytes for line in lines}
+    one = sum(bytes_of.get(name, 0) for name in _PER_MICRO_BATCH) // flight
+    moments = {**peak.moments, "second backward": (peak.moments["backward start"] - one
+                                                    + bytes_of.get("gradients", 0))}
+    moment = max(moments, key=moments.__getitem__)
+    return Peak(moments[moment], moment, moments,
+                peak.how + f"; all {m} micro-batches in flight before the first backward "
+                f"(M ≤ P - s), which runs before any gradient exists: second backward (backward "
+                f"start less one micro-batch's activations, plus the gradients)")
+
+
 def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
                       sb: Policy) -> tuple[list[Line], int]:
     """The stage's activation lines and one block's kept bytes (for the peak's moments)."""
@@ -302,10 +329,19 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
     kept = [every[i] for i in st.blocks]
     recomputed = [again[i] for i in st.blocks]
     why = f"min(P - s, M) = min({pp} - {st.index}, {m})"
-    out = [Line("pipeline send/recv", 2 * _handed_over(st, estimate, pp),
-                f"{sb.tag()} one activation and one gradient in transit to or from the "
-                f"neighbouring stages: 2 × what a block past the first is called with in the "
-                f"replay (the hidden state)", "communication", sb.name),
+    first, last = st.index == 0, st.index == pp - 1
+    received = 0 if first else estimate.unit_inputs[st.blocks[0]]  # the stage's input
+    sent = 0 if last else _handed_over(st, estimate, pp)  # its output
+    kinds = ([f"its input ({received:,} B)"] if received else []) + (
+        [f"its output's gradient ({sent:,} B)"] if sent else [])
+    out = [Line("pipeline send/recv", m * (received + sent) + received,
+                f"{sb.tag()} a receive buffer per micro-batch (M = {m}) for "
+                + " and for ".join(kinds) + ", as torch.distributed.pipelining's PipelineStage "
+                "allocates them at the first step and keeps them"
+                + (f", and the gradient of its input, made in backward, until it is sent "
+                   f"({received:,} B)" if received else "")
+                + " (the hidden state, as the replay has it; Megatron-LM allocates one per "
+                  "transfer)", "communication", sb.name),
            Line("activations: layers", flight * sum(kept),
                 f"{len(kept)} block(s) × {flight} micro-batch(es) in flight ({why}): {how}; "
                 f"largest {max(kept):,} B per micro-batch", "activations")]
@@ -324,7 +360,20 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
         out.append(Line("activations: before the blocks", flight * before,
                         f"what ran before the first block (embeddings) saved for backward, × "
                         f"{flight} micro-batch(es) in flight", "activations"))
-    if st.index == pp - 1:
+    if not last:
+        out.append(Line(WORKING, estimate.unit_working,
+                        "the most one block's backward adds to what is alive as it begins "
+                        "(gradients in flight inside it, less what it frees as it goes), the "
+                        "replay's largest", "activations"))
+    if last and m > 1:
+        out.append(Line("activations: outputs kept", (m - 1) * estimate.output_bytes
+                        + estimate.output_unsaved,
+                        f"the model's output of each micro-batch, kept by "
+                        f"torch.distributed.pipelining's PipelineStage (output_chunks) until "
+                        f"step() returns them merged: {m - 1} earlier micro-batch(es)' "
+                        f"({estimate.output_bytes:,} B each, detached after their backward) "
+                        f"and the current one's beyond what autograd saved", "activations"))
+    if last:
         in_units = sum(sum(kinds.values()) for kinds in estimate.unit_saved)
         outside = sum(estimate.saved_bytes.values()) - in_units
         out.append(Line("activations: after the blocks", flight * (outside - before),
