@@ -1,10 +1,10 @@
 """torch's own pipeline schedule as the reference for tfcli's pipeline plan (issue 20): a user's
-decoder split by hand into stages as torchtitan's recipe splits a model (each rank builds the
-whole model and deletes what its stage does not run; the forward skips a deleted module), each
-stage a ``torch.distributed.pipelining.PipelineStage`` on real gloo ranks, one training step
-under ``Schedule1F1B`` after a warm-up step, and the step's memory read from torch's profiler
-(its memory timeline, torch's own categories). Run by :func:`tfcli.parallel.launch.run_ranks`
-(``stage_peak``), in the gloo job of tests/test_parallel.py."""
+decoder, or a Transformers causal LM, split by hand into stages as torchtitan's recipe splits a
+model (each rank builds the whole model and deletes what its stage does not run), each stage a
+``torch.distributed.pipelining.PipelineStage`` on real gloo ranks, one training step under
+``Schedule1F1B`` after a warm-up step, and the step's memory read from torch's profiler (its
+memory timeline, torch's own categories). Run by :func:`tfcli.parallel.launch.run_ranks`
+(``stage_peaks``), in the pipeline_ranks job of tests/test_pipeline.py.""" 
 
 from __future__ import annotations
 
@@ -51,54 +51,99 @@ class Net(nn.Module):
 '''
 
 
-def _build():
+def _user_stage(rank: int, world: int):
+    """The stage of the user's module this rank runs (torchtitan's recipe) and the loss."""
+    import torch
+
     namespace: dict = {}
     exec(compile(MODULE, "pipeline_reference.MODULE", "exec"), namespace)
-    return namespace["Net"]()
+    model = namespace["Net"]()
+    start, count = _blocks_of(rank, world, len(model.blocks))
+    model.blocks = torch.nn.ModuleList(list(model.blocks)[start:start + count])
+    if rank > 0:
+        model.embed = None
+    if rank < world - 1:
+        model.norm = model.head = None
+    return model, lambda out, target: out.float().square().mean(), 256
 
 
-def stage_peaks(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
-    """:func:`stage_peak` for each (batch, length, micro-batches) of ``cases``, in turn."""
+def _hf_stage(rank: int, world: int, folder: str):
+    """The stage of a Transformers causal LM (config.json in ``folder``) this rank runs, split
+    as torchtitan splits a model: the other stages' layers deleted, the embedding on the first
+    stage only (later ones are given the hidden state as ``inputs_embeds``), the final norm
+    and the head on the last (the others return the last layer's hidden state); the loss the
+    model's own loss function (labels = the input ids, as tfcli replays it)."""
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    start, count = _blocks_of(rank, world, len(lm.model.layers))
+    lm.model.layers = nn.ModuleList(list(lm.model.layers)[start:start + count])
+    first, last = rank == 0, rank == world - 1
+    if not first:
+        lm.model.embed_tokens = None
+    if not last:
+        lm.model.norm, lm.lm_head = nn.Identity(), None
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x):
+            given = {"input_ids": x} if first else {"inputs_embeds": x}
+            if last:
+                return self.lm(**given, use_cache=False).logits
+            return self.lm.model(**given, use_cache=False).last_hidden_state
+
+    def loss(logits, labels):
+        return lm.loss_function(logits, labels, vocab_size=config.vocab_size)
+
+    torch.manual_seed(0)
+    return Stage(), loss, config.vocab_size
+
+
+def _blocks_of(rank: int, world: int, blocks: int) -> tuple[int, int]:
+    """tfcli's split: blocks in order, the first L mod P stages one more."""
+    sizes = [blocks // world + (s < blocks % world) for s in range(world)]
+    return sum(sizes[:rank]), sizes[rank]
+
+
+def stage_peaks(rank: int, world: int, cases: list[list]) -> list[dict]:
+    """:func:`stage_peak` for each (model, batch, length, micro-batches) of ``cases``."""
     return [stage_peak(rank, world, *case) for case in cases]
 
 
-def stage_peak(rank: int, world: int, batch: int, length: int, micro_batches: int) -> dict:
-    """This rank's stage of the step (``batch`` the whole batch, split into ``micro_batches``
-    by the schedule): the peak of torch's memory timeline over the step and the bytes by
-    torch's category there."""
+def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
+               micro_batches: int) -> dict:
+    """This rank's stage of the step of ``model`` ("user": MODULE; else a Transformers
+    config.json's folder), ``batch`` the whole batch, split into ``micro_batches`` by the
+    schedule: the peak of torch's memory timeline over the step and the bytes by torch's
+    category there."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action, MemoryProfileTimeline, TensorKey
 
     torch.manual_seed(0)
-    model = _build()
-    blocks = len(model.blocks)
-    # tfcli's split: in order, the first L mod P stages one block more
-    sizes = [blocks // world + (s < blocks % world) for s in range(world)]
-    start = sum(sizes[:rank])
-    model.blocks = torch.nn.ModuleList(list(model.blocks)[start:start + sizes[rank]])
-    if rank > 0:
-        model.embed = None
-    if rank < world - 1:
-        model.norm = model.head = None
-    stage = PipelineStage(model, rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=micro_batches,
-                            loss_fn=lambda out, target: out.float().square().mean())
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 256, (batch, length))
-    target = torch.zeros(batch, length)  # unread: the stand-in loss has no target
+    module, loss, vocab = (_user_stage(rank, world) if model == "user" else
+                           _hf_stage(rank, world, model))
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (batch, length))
 
     def step() -> None:
         if rank == 0:
             schedule.step(ids)
         elif rank == world - 1:
-            schedule.step(target=target, losses=[])
+            schedule.step(target=ids, losses=[])  # the user's stand-in loss reads none
         else:
             schedule.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
     step()  # the optimizer state and the stage's receive buffers are made here
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
@@ -123,4 +168,4 @@ def stage_peak(rank: int, world: int, batch: int, length: int, micro_batches: in
                 found = memory.categories.get(k, v)
                 name = found.name if found is not None else "NONE"
                 at_top[name] = at_top.get(name, 0) + n
-    return {"peak": top, "categories": at_top, "blocks": sizes[rank]}
+    return {"peak": top, "categories": at_top}
