@@ -1465,6 +1465,21 @@ def test_context_parallel_ranks_are_given_a_length_the_whole_model_takes(cli, tm
     assert cli(*args, "16").exit_code == 0
 
 
+@pytest.mark.parametrize("subject", [["-p", "tiny"], ["--model", f"hf:{LLAMA_TINY}"]])
+def test_megatron_precision_under_zero3_has_a_peak(cli, subject):
+    """Megatron's precision keeps its main gradients in one buffer between steps (the line is
+    "main gradients", a model state from the start): the ZeRO-3 peak read a "gradients" line
+    and the command ended in an internal error (found by a hostile sweep)."""
+    result = cli("params", *subject, "--parallel", "dp=2,zero=3", "--seq-len", "64",
+                 "--precision", "megatron", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    by = {line["name"]: line["bytes"] for line in data["memory"]}
+    assert "gradients" not in by and by["main gradients"] > 0
+    assert data["peak"]["bytes"] >= sum(line["bytes"] for line in data["memory"]
+                                        if line["kind"] == "model states")
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are

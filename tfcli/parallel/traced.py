@@ -429,7 +429,10 @@ class TracedModel:
         root_gathered = root.numel * sb.gathered
         root_grads = root.trainable * sb.unit_grads
         # every layer unit's sharded gradients, present once the layer units' backward is over
-        unit_shards = by["gradients"] - shard(root) * sb.grads
+        # (none appear under Megatron's precision: its main gradients are one buffer kept
+        # between steps, a model state counted from the start)
+        made = "gradients" in by
+        unit_shards = by["gradients"] - shard(root) * sb.grads if made else 0
         start, carried, late, after = self._backward_facts(estimate, by, root, sb)
         # FSDP2 keeps an all-gather's output until the next one is copied out
         unit_gathered = largest.numel * sb.gathered if largest else 0
@@ -467,7 +470,7 @@ class TracedModel:
                 # was freed, so the last unit's is the largest); nothing is prefetched for the
                 # last one (the first layer)
                 moments["inside backward (FSDP)"] = max(
-                    held + grows + reduce + i * (shard(largest) * sb.grads - one)
+                    held + grows + reduce + i * (shard(largest) * sb.grads * made - one)
                     - (ahead if i == count - 1 else 0) for i in range(1, count))
         moments["embeddings' backward"] = states + unit_shards + root_gathered + after + reduce
         moments["root's reduce-scatter"] = (states + unit_shards + root_grads
