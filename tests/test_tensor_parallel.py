@@ -527,13 +527,19 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
      "--parallel tp=2,sp=1: model.embed_tokens is split by embedding columns "
      "(embedding_colwise), whose output would reach the sequence-split residual stream "
      "through an all-to-all"),
-    # the stream must start at the first Linear: USER_PLAN leaves it whole
-    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1 "
-     "with --tp-plan: one rank's share cannot run (B=1, L=10, fake tensors): forward and "
-     "backward pass failed in blocks.0.o (Linear)"),
-    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "so every module that "
-     "reads it must be in the plan (a first Linear as rowwise_split_input, the head as "
-     "colwise_rep"),
+    # the stream must start at the first Linear: USER_PLAN leaves it whole (its input was
+    # taken for a sequence shard, the run then failed in blocks.0.o, or, with the first
+    # projection split by columns, ran at twice the length)
+    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_PLAN], "--parallel tp=2,sp=1: "
+     "nothing in the plan starts the sequence-split residual stream, so the model's input "
+     "would reach the first split module whole"),
+    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", "blocks.*.up=colwise,blocks.*.down="
+              "rowwise"], "split the module the input enters by rows from a whole input "
+     "(rowwise_split_input for a Linear"),
+    # the head must be in the plan: the stream reaches it split along the sequence
+    ("user", ["--parallel", "tp=2,sp=1", "--tp-plan", USER_SP_PLAN.replace(
+        ",out=colwise_rep", "")], "so every module that reads it must be in the plan (a "
+     "first Linear as rowwise_split_input, the head as colwise_rep"),
     # a head split by rows reads the stream by features: an all-to-all (exited 1 before)
     ("user", ["--parallel", "tp=2,sp=1", "--seq-len", "64", "--tp-plan",
               USER_SP_PLAN.replace("out=colwise_rep", "out=rowwise")],

@@ -510,6 +510,14 @@ class TensorParallelModel(TracedModel):
                     f"residual stream through an all-to-all, which torch's CPU process group "
                     f"replaces with an all-gather; split it by vocabulary rows "
                     f"(embedding_rowwise) or drop sp=1")
+            if self.sequence and not self.stream_starts:
+                raise TfcliError(
+                    f"--parallel tp={self.t},sp=1: nothing in the plan starts the "
+                    f"sequence-split residual stream, so the model's input would reach the "
+                    f"first split module whole and be taken for one rank's shard of the "
+                    f"sequence; split the module the input enters by rows from a whole input "
+                    f"(rowwise_split_input for a Linear, embedding_rowwise for an embedding) "
+                    f"or drop sp=1")
         *self.sequence_modules, self.applied = parallelize(model, mesh, self.styles, self.t,
                                                            self.sequence)
         return model
