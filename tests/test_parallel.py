@@ -1480,6 +1480,26 @@ def test_megatron_precision_under_zero3_has_a_peak(cli, subject):
                                         if line["kind"] == "model states")
 
 
+def test_a_search_along_a_size_the_inputs_lack_is_refused(cli, tmp_path):
+    """--fit seq-len for a ViT (its lengths are an image's sides) answered "1,048,576, more may
+    fit" from replays that never changed; --fit batch for a model given example inputs (no
+    batch dimension named) answered 65,536 the same way. Both are refused in one line, as cp
+    and --batch-size are for them (found by the hostile sweep)."""
+    vit = Path(__file__).resolve().parents[1] / "examples" / "vit-tiny"
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n\n"
+                                   "def build():\n"
+                                   "    return nn.Linear(16, 16), (torch.zeros(2, 7, 16),)\n")
+    for args, message in [
+            (["--model", f"hf:{vit}", "--fit", "seq-len"], "--fit seq-len: the model's inputs "
+             "have no sequence length to search (H and W are an image's sides); use --fit "
+             "batch"),
+            (["--model", f"{tmp_path}/m.py:build", "--fit", "batch", "--seq-len", "64"],
+             "--fit batch: the model's inputs have no batch dimension to search")]:
+        result = cli("params", *args, "--parallel", "dp=2,zero=3", "--device-memory", "1GiB")
+        assert result.exit_code == 2, result.stdout
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are

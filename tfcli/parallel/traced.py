@@ -618,9 +618,16 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     refuse_model_splits(par, tensor=True)
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     check_context(subject, par, seq_len)
-    if fit_what == "seq-len" and not subject.length_dims():
-        raise TfcliError("--fit seq-len: the model's inputs have no length to search (their "
-                         "sizes are fixed); use --fit batch")
+    lengths = subject.length_dims()
+    if fit_what == "seq-len" and not any(d in ("S", "T", "L") for d in lengths):
+        raise TfcliError("--fit seq-len: the model's inputs have no sequence length to search ("
+                         + (f"{' and '.join(lengths)} are an image's sides" if lengths else
+                            "their sizes are fixed")
+                         + ")" + ("; use --fit batch" if "B" in subject.dims_used() else ""))
+    if fit_what == "batch" and "B" not in subject.dims_used():
+        raise TfcliError("--fit batch: the model's inputs have no batch dimension to search "
+                         "(no --input names one: example inputs its callable returns keep "
+                         "their sizes); describe them, e.g. --input NAME=DTYPE[B,L,...]")
     capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
     if par.tp > 1:
         from tfcli.parallel.tensor import TensorParallelModel, sequence_parallel_asked
