@@ -1500,6 +1500,24 @@ def test_a_search_along_a_size_the_inputs_lack_is_refused(cli, tmp_path):
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_length_search_says_when_the_model_stops_it(cli):
+    """Whisper takes 48 target positions: --fit seq-len ended in the model's failure at its
+    first length (64, exit 1) whatever the device. Lengths the model refuses now count as not
+    fitting, and the answer says the model decided it, with the model's words (found by the
+    hostile sweep)."""
+    whisper = Path(__file__).resolve().parents[1] / "examples" / "whisper-tiny"
+    args = ["params", "--model", f"hf:{whisper}", "--parallel", "dp=2", "--fit", "seq-len",
+            "--device-memory", "1TB"]
+    result = cli(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    found = json.loads(result.stdout)["fit"]
+    assert (found["largest"], found["model_refused"]["seq_len"]) == (48, 49)
+    assert "cannot exceed the maximum allowed length of 48" in found["model_refused"]["why"]
+    text = " ".join(cli(*args).stdout.split())
+    assert "largest seq-len that fits: 48" in text and "the model itself stops there: at " \
+        "seq-len = 49 it fails" in text and "so memory did not decide it" in text
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are

@@ -233,7 +233,11 @@ def render(data: dict, console) -> None:
                          + (f" (below one step of {step}: lengths searched below it too)"
                             if fit_.get("below_step") else
                             f" (lengths in steps of {step})" if step > 1 else "")
-                         + (f"; that is {fit_['bound_is']}, so more may fit"
+                         + (f"; the model itself stops there: at {what} = "
+                            f"{fit_['model_refused']['seq_len']:,} it fails "
+                            f"({fit_['model_refused']['why']}), so memory did not decide it"
+                            if fit_.get("model_refused") else
+                            f"; that is {fit_['bound_is']}, so more may fit"
                             if fit_["at_bound"] else ""))
         else:
             smallest = fit_.get("smallest", step)

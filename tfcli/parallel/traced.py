@@ -656,7 +656,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                            checkpointing, dtype, mixed, optimizer_states, kernel, loop,
                            precision, device, micro_batches, optimizer, optimizer_impl)
 
-    found = bound = None
+    found = bound = refused_at = None
     step = searched_in = 1
     if fit_what == "batch":
         bound = 1 << 16
@@ -673,10 +673,27 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                              f"max_position_embeddings={limit}; use fewer ranks on the "
                              f"sequence, or give --seq-len")
         bound = limit // step * step
-        # with cp, a length the whole model refuses does not fit, whatever one rank keeps
-        found, searched_in = fit_length(
-            lambda s: capacity + 1 if whole_fails(s) else at(batch, s).need, capacity, step,
-            unit, limit // step)
+        from tfcli.subjects.base import RunFailed
+
+        def need(s: int) -> int:
+            """A length the model refuses (its own limit, a position table; with cp the whole
+            model is asked, whatever one rank replays) does not fit; why is kept."""
+            why = whole_fails(s)
+            if why is None:
+                try:
+                    return at(batch, s).need
+                except RunFailed as error:
+                    why = str(error)
+            refused[s] = why
+            return capacity + 1
+
+        refused: dict[int, str] = {}
+        found, searched_in = fit_length(need, capacity, step, unit, limit // step)
+        if found is None and searched_in in refused:  # the model runs at no length tried
+            raise RunFailed(refused[searched_in])
+        above = [s for s in refused if found is not None and s > found]
+        if above and min(above) <= found + searched_in:  # the model, not the device, stopped it
+            refused_at = min(above)
         seq_len = found or searched_in  # nothing fits: the plan at the shortest length tried
     if seq_len and whole_fails(seq_len):
         from tfcli.subjects.base import RunFailed
@@ -704,6 +721,9 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                        "at_bound": found == bound,
                        "below_step": fit_what == "seq-len" and searched_in < step,
                        "smallest": 1 if fit_what == "batch" else searched_in,  # tried
+                       # the next length, refused by the model itself (None: memory decided)
+                       "model_refused": (None if refused_at is None else
+                                         {"seq_len": refused_at, "why": refused[refused_at]}),
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the configuration's max_position_embeddings"
                                     + (f" ({limit:,}) rounded down to a multiple of {step}"
