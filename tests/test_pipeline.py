@@ -388,10 +388,11 @@ def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas):
 
 # --- each stage's peak: torch's Schedule1F1B on real ranks ---------------------------------------
 
-# (the whole batch, the length, micro-batches M) on 3 stages: at M = P the first stage holds
-# every micro-batch before its first backward; at M = 5 > P gradients accumulate beside the
-# most activations on every stage
-RANK_CASES = [("user", 6, 32, 3), ("user", 10, 32, 5), ("llama", 8, 32, 4)]
+# (the model, the whole batch, the length, micro-batches M) on 3 stages: at M = P the first
+# stage holds every micro-batch before its first backward; at M = 4 > P gradients accumulate
+# beside the most activations on every stage (measured too, and left out for the suite's
+# time: the user's module at M = 5, -0.5 % to +1.0 %)
+RANK_CASES = [("user", 6, 32, 3), ("llama", 8, 32, 4)]
 _TESTS = str(Path(__file__).resolve().parent)
 # the Transformers model of RANK_CASES: a Llama of three layers, one a stage
 RANK_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -405,7 +406,7 @@ def pipeline_ranks():
     return background.result("pipeline_ranks")
 
 
-@background.job("pipeline_ranks", cost=12, waits=True)
+@background.job("pipeline_ranks", cost=9, waits=True)
 def _pipeline_ranks() -> list[list[dict]]:
     """Three real gloo ranks (tfcli.parallel.launch.run_ranks, which starts them), each a stage
     of tests/pipeline_reference.py's module under torch's Schedule1F1B, profiled through one
@@ -438,7 +439,7 @@ def test_each_stages_peak_agrees_with_torchs_schedule_on_real_ranks(cli, tmp_pat
                                                                    pipeline_ranks, case):
     """Each stage's peak within 2.5 % of torch's own pipeline step (PipelineStage and
     Schedule1F1B on three gloo ranks, torch's profiler's memory timeline over the step after a
-    warm-up; measured -0.5 % to +1.1 % for the user's module, -0.1 % to +0.6 % for a
+    warm-up; measured -0.1 % to +1.0 % for the user's module at M = 3, -0.1 % to +0.6 % for a
     Transformers Llama of three layers),
     and the user module's send/recv line within 2 % of the buffers torch
     keeps: a receive buffer per micro-batch for the stage's input and for its output's

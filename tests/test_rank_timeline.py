@@ -106,7 +106,6 @@ def test_rank_html_draws_fsdps_categories_from_nowhere(rank_tracked):
     (("--parallel", "dp=2,zero=3,ep=2"), "DDP, ZeRO-1/2, tp, pp, cp and ep are not drawn yet"),
     (("--device-memory", "80GiB"), "add --parallel dp=N,zero=3"),
     ((*N2, "--checkpointing", "full"), "drop --checkpointing"),
-    ((*N2, "--fit", "batch", "--device-memory", "1GiB"), "drop --fit"),
     ((*N2, "--mixed-precision", "bf16"), "drop --mixed-precision"),
 ])
 def test_rank_refusals(cli, tmp_path, args, words):
@@ -115,3 +114,11 @@ def test_rank_refusals(cli, tmp_path, args, words):
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert words in result.stderr and "--timeline with" in result.stderr, result.stderr
     assert not path.exists()
+
+
+def test_rank_timeline_refuses_a_search(cli, tmp_path):
+    """--fit searches a batch it replays many times; a rank's timeline is drawn at one."""
+    result = cli("params", "--preset", "tiny", "--seq-len", "8", *N2, "--fit", "batch",
+                 "--device-memory", "1GiB", "--timeline", str(tmp_path / "t.json"))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "drop --fit" in result.stderr and "--timeline with" in result.stderr

@@ -101,6 +101,10 @@ JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of ma
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len),
              "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
+# what a step's replay follows; --fit seq-len replays steps too, at the lengths it tries
+STEP_OR_SEARCH = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+                       "applies to the memory of a step: add --seq-len L (and --batch-size B), "
+                       "or --fit seq-len")
 SERVING_FIT = Needs(lambda v: not v.inference or v.device_memory is not None,
                     "with --inference: only with --device-memory",
                     "{option} {value} --inference searches what fits --device-memory: add "
@@ -182,8 +186,8 @@ RULES = Rules(
                            "layers"),
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
                "chooses the FSDP units of the per-rank plan: add --parallel dp=N,zero=3")),
-    Rule("device", STEP),
-    Rule("attention_kernel", STEP),
+    Rule("device", STEP_OR_SEARCH),
+    Rule("attention_kernel", STEP_OR_SEARCH),
     Rule("keep_grads", STEP),
     Rule("inference", STEP),
     Rule("kv_dtype", Needs(lambda v: v.inference, "only with --inference",
@@ -209,7 +213,7 @@ RULES = Rules(
     Rule("loop", CHANGES_ACTIVATIONS, TRAINING),
     Rule("reserve", Needs(lambda v: v.device_memory is not None, "only with --device-memory",
                           "is kept back from --device-memory: add --device-memory SIZE|GPU")),
-    Rule("optimizer_impl", STEP, TRAINING,
+    Rule("optimizer_impl", STEP_OR_SEARCH, TRAINING,
          Needs(lambda v: v.per_rank is None or v.data_parallel_only,
                "not with tp/pp/ep",
                "{option} with {v.parallel}: the per-rank plan has an optimizer-step moment "
@@ -238,12 +242,11 @@ RULES = Rules(
         lambda v: not (v.inference and v.fit_ is Fit.batch) or v.seq_len is not None,
         "with --inference batch: only with --seq-len",
         "{option} {value} --inference needs --seq-len: the context whose batch is searched")),
-    Rule("seq_len", Needs(lambda v: not (v.inference and v.fit_ is Fit.seq_len),
-                          "not with --inference --fit seq-len",
-                          "{option} {value}: --fit seq-len searches the context; drop {it} (or "
+    # the search sets what it searches: a value given for it would be silently replaced
+    Rule("seq_len", Needs(lambda v: v.fit_ is not Fit.seq_len, "not with --fit seq-len",
+                          "{option} {value}: --fit seq-len searches the length; drop {it} (or "
                           "--fit)")),
-    Rule("batch_size", Needs(lambda v: not (v.inference and v.fit_ is Fit.batch),
-                             "not with --inference --fit batch",
+    Rule("batch_size", Needs(lambda v: v.fit_ is not Fit.batch, "not with --fit batch",
                              "{option} {value}: --fit batch searches the batch; drop {it} (or "
                              "--fit)")),
     Rule("timeline", STEP,
