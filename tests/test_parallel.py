@@ -1518,6 +1518,25 @@ def test_a_length_search_says_when_the_model_stops_it(cli):
         "seq-len = 49 it fails" in text and "so memory did not decide it" in text
 
 
+def test_a_search_neither_ignores_nor_needs_the_value_it_searches(cli):
+    """--fit seq-len with --seq-len 250 answered 192 as if 250 had not been given (and --fit
+    batch with --batch-size likewise): refused in one line, as with --inference. And
+    --device cuda asked for a --seq-len that --fit seq-len then ignored: it applies to the
+    search's steps (found by the hostile sweep)."""
+    base = ["params", "--model", f"hf:{LLAMA_TINY}", "--parallel", "dp=2", "--device-memory",
+            "40MiB"]
+    for extra, message in [(["--fit", "seq-len", "--seq-len", "250"],
+                            "--seq-len 250: --fit seq-len searches the length; drop it"),
+                           (["--fit", "batch", "--seq-len", "64", "--batch-size", "4"],
+                            "--batch-size 4: --fit batch searches the batch; drop it")]:
+        result = cli(*base, *extra)
+        assert result.exit_code == 2 and message in result.stderr, result.stderr
+    cuda = cli(*base, "--fit", "seq-len", "--device", "cuda", "--json")
+    assert cuda.exit_code == 0, cuda.stderr
+    data = json.loads(cuda.stdout)
+    assert data["fit"]["largest"] and data["conditions"]["replayed_as"] == "cuda"
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are
