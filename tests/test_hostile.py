@@ -455,6 +455,10 @@ TORCH_CASES: list[Case] = [
          "a token id is from 0 to 9,223,372,036,854,775,807 (int64)"),
     Case("params-device-memory-400-digits", ["params", "--device-memory", "9" * 400], 2,
          "must be between 1 byte and 1 EiB"),
+    # a bare number is bytes: 1.5 was read as 1 B
+    Case("params-device-memory-fractional-bytes", ["params", "--parallel", "dp=2",
+                                                   "--device-memory", "1.5"], 2,
+         "a size without a unit is in bytes, and 1.5 is not a whole number of them"),
     Case("bench-seq-lens-5000-digits", ["bench", "--seq-lens", "16," + "9" * 5000], 2,
          "a 5000-digit number is beyond any size"),
     # torchrun's variables, left in the environment or mistyped: one line naming the variable

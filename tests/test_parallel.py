@@ -171,6 +171,10 @@ def test_context_parallel_splits_the_sequence():
     # what Python's int() reads but a size is not written as
     ("cp=2_0", "cp='2_0' must be an integer"), ("cp=+2", "cp='\\+2' must be an integer"),
     ("cp=\uff12", "must be an integer"),
+    # a negative size is an integer, just not a size; a world no one trains on is refused
+    ("dp=-1", "dp=-1 must be a positive integer"), ("zero=-1", "zero=-1 must be 0, 1, 2 or 3"),
+    ("dp=99999999999999999999,zero=3", "99,999,999,999,999,999,999 ranks; tfcli plans at most "
+     "1,048,576"),
 ])
 def test_bad_parallel_specs(text, message):
     with pytest.raises(TfcliError, match=message):

@@ -43,6 +43,10 @@ def _parse_size(option: str, text: str, low: int) -> int:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", key)
     if not match:
         return -1
+    if match.group(2) is None and "." in match.group(1) and float(match.group(1)) % 1:
+        raise TfcliError(f"{option} {text!r}: a size without a unit is in bytes, and "
+                         f"{match.group(1)} is not a whole number of them; give a unit, e.g. "
+                         f"{match.group(1)}GiB")
     size = float(match.group(1)) * _UNITS[match.group(2) or ""]  # 400 digits: inf
     if not low <= size <= 2**60:
         raise TfcliError(f"{option} {text[:60]!r}: must be between {low} byte"

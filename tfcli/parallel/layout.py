@@ -83,6 +83,10 @@ def parse_parallel(text: str) -> Parallel:
                              f"allowed: {', '.join(_KEYS)}")
         if key in values:
             raise TfcliError(f"--parallel: {key} is given twice")
+        if re.fullmatch(r"-[0-9]+", raw.strip()):
+            raise TfcliError(f"--parallel: {key}={raw.strip()} must be "
+                             + ("0, 1, 2 or 3" if key == "zero" else "0 or 1" if key == "sp"
+                                else "a positive integer"))
         if not re.fullmatch(r"[0-9]+", raw.strip()):  # int() also reads 2_0, +2 and ２
             raise TfcliError(f"--parallel: {key}={raw.strip()!r} must be an integer")
         values[key] = int(raw)
@@ -104,7 +108,14 @@ def parse_parallel(text: str) -> Parallel:
                          f"expert parallelism splits the experts over ep of the data-parallel "
                          f"ranks, e.g. dp={ep * -(-dp // ep)},ep={ep}")
     values["sp"] = bool(values.get("sp", 1))
-    return Parallel(**values)
+    par = Parallel(**values)
+    if par.world > MAX_WORLD:
+        raise TfcliError(f"--parallel {text}: {par.world:,} ranks; tfcli plans at most "
+                         f"{MAX_WORLD:,} (the largest training runs use tens of thousands)")
+    return par
+
+
+MAX_WORLD = 1 << 20  # ranks a plan may have (tfcli.parallel.measure.MAX_FAKE_WORLD too)
 
 
 # --- parameters one rank owns (before ZeRO sharding) --------------------------------------------
