@@ -125,7 +125,9 @@ def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline, TensorKey
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    from memory_timeline import live_after_each
 
     torch.manual_seed(0)
     module, loss, vocab = (_user_stage(rank, world) if model == "user" else
@@ -149,18 +151,8 @@ def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
                  with_stack=True) as prof:
         step()
     memory = MemoryProfileTimeline(prof._memory_profile())
-    live: dict = {}
     top, at_top = -1, {}
-    for _, action, (key, version), nbytes in memory.timeline:
-        if not isinstance(key, TensorKey) or key.device.type != "cpu":
-            continue
-        if action in (Action.PREEXISTING, Action.CREATE):
-            live[(key, version)] = nbytes
-        elif action == Action.INCREMENT_VERSION:
-            if (key, version) in live:
-                live[(key, version + 1)] = live.pop((key, version))
-        elif action == Action.DESTROY:
-            live.pop((key, version), None)
+    for _, live in live_after_each(memory):
         total = sum(live.values())
         if total > top:
             top, at_top = total, {}

@@ -237,7 +237,9 @@ def _profiled_step(subject, sizes):
     tensors larger than SCALAR and the categories live there, and the batch's bytes by the
     category the profiler gave them."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline, TensorKey
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    from memory_timeline import live_after_each
 
     from tfcli.inspection.memory import quiet_native_stderr
     from tfcli.inspection.timeline import BEFORE, Timeline, _Recording
@@ -296,18 +298,8 @@ def _profiled_step(subject, sizes):
         found = memory.categories.get(key, version)
         return found.name if found is not None else "NONE"
 
-    live: dict = {}
     curve, top, at_top, batch = [], -1, {}, {}
-    for t, action, (key, version), nbytes in memory.timeline:
-        if not isinstance(key, TensorKey) or key.device.type != "cpu":
-            continue
-        if action in (Action.PREEXISTING, Action.CREATE):
-            live[(key, version)] = nbytes
-        elif action == Action.INCREMENT_VERSION:
-            if (key, version) in live:
-                live[(key, version + 1)] = live.pop((key, version))
-        elif action == Action.DESTROY:
-            live.pop((key, version), None)
+    for t, live in live_after_each(memory):
         k = bisect.bisect_right(times, t)  # the last change at or before t
         curve.append((BEFORE if t < 0 or not k else changes[k - 1][1], sum(live.values())))
         big = sum(n for n in live.values() if n > SCALAR)
