@@ -366,8 +366,9 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
                         "(gradients in flight inside it, less what it frees as it goes), the "
                         "replay's largest", "activations"))
     if last and m > 1:
+        # (the keep-output loop's held output is the current one's already, in the working set)
         out.append(Line("activations: outputs kept", (m - 1) * estimate.output_bytes
-                        + estimate.output_unsaved,
+                        + estimate.output_unsaved - estimate.held_output,
                         f"the model's output of each micro-batch, kept by "
                         f"torch.distributed.pipelining's PipelineStage (output_chunks) until "
                         f"step() returns them merged: {m - 1} earlier micro-batch(es)' "
