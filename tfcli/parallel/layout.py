@@ -115,7 +115,7 @@ def parse_parallel(text: str) -> Parallel:
     return par
 
 
-MAX_WORLD = 1 << 20  # ranks a plan may have (tfcli.parallel.measure.MAX_FAKE_WORLD too)
+MAX_WORLD = 1 << 20  # ranks a plan may have (and a fake process group, tfcli.parallel.measure)
 
 
 # --- parameters one rank owns (before ZeRO sharding) --------------------------------------------

@@ -20,9 +20,10 @@ from typing import Callable
 
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
+from tfcli.parallel.layout import MAX_WORLD
 
 
-MAX_FAKE_WORLD = 1 << 20
+MAX_FAKE_WORLD = MAX_WORLD  # a fake process group's ranks: those of any plan
 
 
 @contextlib.contextmanager
