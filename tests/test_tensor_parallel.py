@@ -632,6 +632,22 @@ def test_a_model_that_takes_one_length_is_split_at_the_length_asked(cli, tmp_pat
     assert "one rank's share cannot run" not in other.stderr
 
 
+def test_a_plan_of_the_mlps_alone_leaves_the_heads_whole(cli):
+    """The heads must divide by tp only where the plan splits attention: the README's Llama
+    (3 K/V heads) on a plan of its MLPs alone was refused at tp=2 for its heads (found by the
+    hostile sweep); on its own plan (attention split too) it still is."""
+    from pathlib import Path
+
+    llama = ["params", "--model", f"hf:{Path(__file__).resolve().parents[1]}/examples/"
+             "llama-tiny", "--parallel", "tp=2", "--seq-len", "64"]
+    mlps = cli(*llama, "--tp-plan", "model.layers.*.mlp.up_proj=colwise,model.layers.*.mlp."
+               "gate_proj=colwise,model.layers.*.mlp.down_proj=rowwise", "--json")
+    assert mlps.exit_code == 0, mlps.stderr
+    assert json.loads(mlps.stdout)["conditions"]["tensor_parallel"]["modules_split"] == 6
+    own = cli(*llama)
+    assert own.exit_code == 2 and "num_key_value_heads=3 is not divisible by 2" in own.stderr
+
+
 def test_tp_plan_is_for_a_model(cli):
     result = cli("params", "-p", "tiny", "--parallel", "tp=2", "--tp-plan", "x=colwise")
     assert result.exit_code == 2 and "--tp-plan applies to --model" in result.stderr

@@ -231,8 +231,14 @@ def resolve(model, rules: dict[str, str], t: int, origin: str) -> dict[str, str]
 
 def check_heads(subject, styles: dict[str, str], t: int) -> None:
     """A Transformers model whose projections are split with their output left split runs
-    its attention on each rank's own heads: tp must divide the query and key/value heads."""
-    if getattr(subject, "kind", "") != "hf" or "colwise" not in styles.values():
+    its attention on each rank's own heads: tp must divide the query and key/value heads.
+    Only where the plan splits a module inside an attention module (a plan of the MLPs alone
+    leaves every head whole)."""
+    def in_attention(path: str) -> bool:
+        return any("attn" in part or "attention" in part for part in path.split(".")[:-1])
+
+    if getattr(subject, "kind", "") != "hf" or not any(
+            style == "colwise" and in_attention(path) for path, style in styles.items()):
         return
     config = subject.config.get_text_config() if hasattr(subject.config, "get_text_config") \
         else subject.config
