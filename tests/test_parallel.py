@@ -1623,3 +1623,116 @@ def test_selective_recomputation_under_a_fused_kernel_says_it_saves_nothing(cli)
     math = layers("--attention-kernel", "math", "--checkpointing", "selective")
     assert "saves nothing" not in math["how"]
     assert math["bytes"] < layers("--attention-kernel", "math")["bytes"]
+
+
+_BLOCKS = ("import torch\nfrom torch import nn\n\n\n"
+           "class Net(nn.Module):\n"
+           "    def __init__(self):\n"
+           "        super().__init__()\n"
+           "        self.inp = nn.Linear(3, 32)\n"
+           "        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))\n"
+           "        self.out = nn.Linear(32, 4)\n\n"
+           "    def forward(self, x):\n"
+           "        h = self.inp(x)\n"
+           "        for block in self.blocks:\n"
+           "            h = h + torch.relu(block(h))\n"
+           "        return self.out(h)\n")
+
+
+def test_the_notes_say_what_data_parallelism_shards(cli, tmp_path):
+    """A DDP plan (zero=0) said its model states were "sharded over 2 data-parallel rank(s)"
+    and named FSDP units it does not have (found by the hostile sweep): zero=0 replicates, and
+    the units are named only where FSDP (zero=3) wraps them."""
+    (tmp_path / "m.py").write_text(_BLOCKS)
+    base = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,3]"]
+    ddp = " ".join(cli(*base, "--parallel", "dp=2").stdout.split())
+    assert "replicated on each of the 2 data-parallel ranks (zero=0)" in ddp
+    assert "sharded over" not in ddp and "FSDP units" not in ddp
+    fsdp = " ".join(cli(*base, "--parallel", "dp=2,cp=2,zero=3", "--seq-len", "8").stdout.split())
+    assert "sharded over the 4 data- and context-parallel ranks" in fsdp
+    assert "FSDP units: the largest ModuleList, blocks: 3 × Linear" in fsdp
+
+
+def test_wrapping_the_models_own_class_makes_the_whole_model_one_unit(cli, tmp_path):
+    """--wrap with the root's class said the model had no module of that class: it is
+    fully_shard(model) alone, the whole model one unit gathered at once."""
+    (tmp_path / "m.py").write_text(_BLOCKS)
+    result = cli("params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,3]",
+                 "--parallel", "dp=2,zero=3", "--wrap", "Net", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    numel = 3 * 32 + 32 + 3 * (32 * 32 + 32) + 32 * 4 + 4  # the Linears' weights and biases
+    by = {line["name"]: line["bytes"] for line in data["memory"]}
+    assert by["unsharded parameters"] == numel * 4  # the root, fp32, gathered whole
+    assert "the model itself; the whole model is one unit" in data["conditions"]["wrap_units"]
+
+
+def test_dim_sets_a_models_other_dimensions_in_a_per_rank_plan(cli, tmp_path):
+    """--dim was refused with --parallel ("a table of memory lines"), so an input with a
+    letter other than B and the lengths could not be planned per rank. It now sets those;
+    a --dim for a letter the plan divides over ranks or that --fit searches is refused, as
+    it would silently win over them."""
+    (tmp_path / "m.py").write_text(_BLOCKS.replace("self.inp(x)", "self.inp(x[..., :3])"))
+    base = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,C]"]
+    result = cli(*base, "--dim", "C=5", "--parallel", "dp=2,zero=3", "--seq-len", "8",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "C=5" in json.loads(result.stdout)["conditions"]["activations"]
+    for extra, message in [
+            (["--dim", "B=4", "--parallel", "dp=2", "--seq-len", "8"],
+             "--dim B=4 with --parallel: the plan divides B over the ranks from --batch-size"),
+            (["--dim", "C=5", "--dim", "L=8", "--fit", "seq-len", "--device-memory", "1GiB"],
+             "--dim L=8 with --fit seq-len: the search sets L")]:
+        refused = cli(*base, *extra)
+        assert refused.exit_code == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    own = cli("params", "--preset", "gpt2-small", "--dim", "B=4", "--parallel", "dp=2",
+              "--seq-len", "32")
+    assert own.exit_code == 2 and "tfcli's own plan takes its sizes" in own.stderr
+
+
+def test_a_model_with_nothing_to_train_is_refused_in_one_line(cli, tmp_path):
+    """A module without parameters exited 1 in the replay's backward ("element 0 of tensors
+    does not require grad"): it has no training step, which is said (torch's own backward
+    raises there too); its forward is sized by --inference."""
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n\n\n"
+                                   "class Net(nn.Module):\n"
+                                   "    def forward(self, x):\n"
+                                   "        return torch.softmax(x @ x.transpose(-1, -2), -1)\n")
+    base = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,8]",
+            "--seq-len", "8"]
+    for extra in ([], ["--parallel", "dp=2,zero=3"]):
+        result = cli(*base, *extra)
+        assert result.exit_code == 2, (extra, result.stderr)
+        assert ("the model's loss needs no gradient (the model has no trainable parameters)"
+                in result.stderr and len(result.stderr.strip().splitlines()) == 1)
+    with pytest.raises(RuntimeError, match="does not require grad"):  # as torch says it
+        import torch
+        x = torch.zeros(2, 8, 8)
+        torch.softmax(x @ x.transpose(-1, -2), -1).pow(2).mean().backward()
+    assert cli(*base, "--inference").exit_code == 0
+
+
+def test_lazy_modules_are_counted_from_their_first_forward_or_refused(cli, tmp_path):
+    """A model with nn.LazyLinear ended in an internal error ("Can't access the shape of an
+    uninitialized parameter"): given example inputs, its first forward makes the parameters
+    (as torch advises) and they are counted; without them, and for a replayed step (torch
+    cannot make a lazy parameter on fake tensors), it is said in one line."""
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "def given():\n"
+        "    return nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.Linear(64, 4)), "
+        "(torch.zeros(2, 7, 5),)\n\n\n"
+        "def bare():\n"
+        "    return nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.Linear(64, 4))\n")
+    counted = cli("params", "--model", f"{tmp_path}/m.py:given", "--json")
+    assert counted.exit_code == 0, counted.stderr
+    assert json.loads(counted.stdout)["total_params"] == 5 * 64 + 64 + 64 * 4 + 4
+    for args, message in [
+            (["--model", f"{tmp_path}/m.py:bare", "--input", "x=float32[B,L,5]"],
+             "0 (LazyLinear) is a lazy module"),
+            (["--model", f"{tmp_path}/m.py:given", "--seq-len", "8"],
+             "its lazy modules (nn.LazyLinear, ...) cannot be built on fake tensors")]:
+        refused = cli("params", *args)
+        assert refused.exit_code == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1

@@ -201,7 +201,11 @@ RULES = Rules(
          Needs(lambda v: v.build_on is BuildDevice.cpu, "only with --build-on cpu",
                "bounds --build-on cpu; meta allocates nothing")),
     Rule("keep_grads", ONE_DEVICE),
-    Rule("dim", ONE_DEVICE),
+    Rule("dim", Needs(lambda v: v.per_rank is None or v.model_ref is not None,
+                      "with --parallel: only with --model",
+                      "{option} {value} with {v.per_rank}: tfcli's own plan takes its sizes "
+                      "from --batch-size and --seq-len; --dim sets other dimensions of a "
+                      "--model's inputs")),
     Rule("depth", ONE_DEVICE),
     Rule("expand", ONE_DEVICE),
     Rule("batch_size", SIZED),
@@ -427,6 +431,7 @@ def params(
     if seq_len is not None and given("batch_size"):
         refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
     _refuse_lengths_twice(seq_len, dim)
+    _refuse_dims_the_plan_sets(dim, v.per_rank, fit_.value if fit_ else None)
     if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
@@ -679,6 +684,27 @@ def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
         if letter in ("S", "T", "L"):
             raise TfcliError(f"--seq-len {seq_len} and --dim {text}: both set {letter}; give "
                              f"one")
+
+
+def _refuse_dims_the_plan_sets(dims: list[str] | None, per_rank: str | None,
+                               fit: str | None) -> None:
+    """--dim sets a letter over every other option: a --dim for a letter that the per-rank
+    plan divides over ranks (B over dp, the lengths over cp) or that --fit searches would
+    silently win over the plan's or the search's value."""
+    from tfcli.errors import TfcliError
+    from tfcli.subjects.base import parse_dim
+
+    for text in dims or []:
+        letter = parse_dim(text)[0]
+        length = letter in ("S", "T", "L")
+        if fit == "batch" and letter == "B" or fit == "seq-len" and length:
+            raise TfcliError(f"--dim {text} with --fit {fit}: the search sets {letter}; drop "
+                             f"the --dim")
+        if per_rank is not None and (letter == "B" or length):
+            option = "--batch-size" if letter == "B" else "--seq-len"
+            raise TfcliError(f"--dim {text} with {per_rank}: the plan divides {letter} over "
+                             f"the ranks from {option}; give it as {option} (--dim sets the "
+                             f"model's other dimensions)")
 
 
 def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:

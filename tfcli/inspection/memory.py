@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tfcli.subjects.base import running
+from tfcli.subjects.base import backward, running
 
 # Said when the model's own code fails in a replay: which run of it tfcli was doing.
 REPLAY = "in the fake-tensor replay that estimates memory"
@@ -536,7 +536,7 @@ def simulate_training_step(build: Callable[[], nn.Module],
                 after = [saved.after_attention(i) for i in range(len(blocks))]
                 before = saved.sums(BEFORE_UNITS) if blocks else {}
                 with running(model, "backward pass", REPLAY):
-                    out.backward()
+                    backward(out, model)
                 del out
             finally:
                 for handle in root_hooks:
@@ -750,7 +750,7 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
                     del output
                 live.phase("backward")
                 with running(model, "backward pass", REPLAY):
-                    out.backward()
+                    backward(out, model)
                 del out
             found = None
             if saved is not None:

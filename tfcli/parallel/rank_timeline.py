@@ -221,7 +221,7 @@ def rank_timeline(subject, build, units, world: int, sizes: dict[str, int], opti
 
     from tfcli.inspection.memory import REPLAY, _optimizer
     from tfcli.parallel.measure import _fake_world, _shard
-    from tfcli.subjects.base import Inputs, running
+    from tfcli.subjects.base import Inputs, backward, running
 
     timeline = Timeline()
     with _fake_world(world) as mesh, FakeTensorMode():
@@ -233,7 +233,7 @@ def rank_timeline(subject, build, units, world: int, sizes: dict[str, int], opti
         if not isinstance(inputs, Inputs):
             inputs = Inputs((), dict(inputs))
         with running(model, during=REPLAY):
-            subject.loss(inputs(model)).backward()
+            backward(subject.loss(inputs(model)), model)
         opt.step()
         opt.zero_grad()
         watch, peak = contextlib.nullcontext(), None
@@ -248,7 +248,7 @@ def rank_timeline(subject, build, units, world: int, sizes: dict[str, int], opti
                 out = subject.loss(inputs(model))
             recording.phase("backward")
             with running(model, "backward pass", REPLAY):
-                out.backward()
+                backward(out, model)
             del out
             recording.phase("optimizer step")
             opt.step()

@@ -174,8 +174,12 @@ def render(data: dict, console) -> None:
         for line in data["cross_check"]:
             check.add_row(line["name"], human_bytes(line["bytes"]), line["how"])
         console.print(check)
-    notes = [f"precision: {cond['state_bytes']}; sharded over {cond['sharded_over']} "
-             f"data-parallel rank(s)"]
+    n = cond["sharded_over"]
+    ranks = "data-parallel" if par["cp"] == 1 else "data- and context-parallel"
+    notes = [f"precision: {cond['state_bytes']}; "
+             + (f"replicated on each of the {n} {ranks} ranks (zero=0)"
+                if par["zero"] == 0 and n > 1 else f"sharded over the {n} {ranks} ranks"
+                if n > 1 else "one data-parallel rank: nothing sharded")]
     if cond.get("model_states_by_zero") and cond["sharded_over"] > 1:
         notes.append(f"model states per rank at each ZeRO stage ({cond['precision']}, N = "
                      f"{cond['sharded_over']}): " + ", ".join(
@@ -188,7 +192,7 @@ def render(data: dict, console) -> None:
                      f"{'/'.join(map(str, moe['experts']))} experts in each of "
                      f"{moe['moe_layers']} MoE layers, sharded over the {par['dp'] // moe['ep']} "
                      f"rank(s) holding the same ones; routing {moe['routing']}")
-    if cond.get("wrap_units"):  # a --model, traced from its built module tree
+    if cond.get("wrap_units") and par["zero"] == 3:  # a --model's FSDP units, traced
         notes.append(f"parameters: {cond['model_states_from']}; FSDP units: "
                      f"{cond['wrap_units']}")
     elif cond.get("model_states_from"):

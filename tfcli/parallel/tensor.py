@@ -546,14 +546,14 @@ class TensorParallelModel(TracedModel):
         import torch
 
         from tfcli.inspection.memory import _sizes_text
-        from tfcli.subjects.base import RunFailed, running
+        from tfcli.subjects.base import RunFailed, backward, running
 
         sizes = self.probe
         inputs = self.subject.step_inputs(model, sizes, "cpu")
         try:
             with running(model, "forward and backward pass"):
                 loss = self.subject.loss(inputs(model))
-                torch.autograd.backward(loss)
+                backward(loss, model)
         except RunFailed as error:
             self._runs_whole(sizes)  # the model's own failure is said as the model's
             where = "--tp-plan" if self.tp_plan_text is not None else "its plan"
@@ -597,13 +597,13 @@ class TensorParallelModel(TracedModel):
         import torch
 
         from tfcli.inspection.memory import REPLAY
-        from tfcli.subjects.base import RunFailed, running
+        from tfcli.subjects.base import RunFailed, backward, running
 
         model = self.subject.build("cpu")
         inputs = self.subject.step_inputs(model, sizes, "cpu")
         try:
             with running(model, "forward and backward pass"):
-                torch.autograd.backward(self.subject.loss(inputs(model)))
+                backward(self.subject.loss(inputs(model)), model)
         except RunFailed as error:
             raise RunFailed(f"{error} ({REPLAY}, the model whole: before any split)") from None
 

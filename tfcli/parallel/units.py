@@ -78,13 +78,18 @@ def find_units(model, wrap: str | None = None) -> Units:
             if type(module).__name__ == wrap:
                 modules.append((path, module))
                 inside.add(path)
-        if not modules:
+        if not modules and type(model).__name__ == wrap:
+            # fully_shard(model) alone: the root is the one unit, as FSDP2 makes it
+            how = (f"--wrap {wrap}: the model itself; the whole model is one unit (the "
+                   f"root)")
+        elif not modules:
             classes = _classes(model)
             raise TfcliError(f"--wrap {wrap!r}: the model has no module of that class"
                              f"{did_you_mean(wrap, classes)}; its classes with parameters: "
                              f"{', '.join(classes[:12])}{', ...' if len(classes) > 12 else ''}")
-        how = (f"--wrap {wrap}: {len(modules)} module(s) ({modules[0][0]}"
-               + (f" ... {modules[-1][0]}" if len(modules) > 1 else "") + ")")
+        else:
+            how = (f"--wrap {wrap}: {len(modules)} module(s) ({modules[0][0]}"
+                   + (f" ... {modules[-1][0]}" if len(modules) > 1 else "") + ")")
     else:
         found = _largest_module_list(model)
         if found is None:

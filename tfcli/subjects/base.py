@@ -546,6 +546,19 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
             handle.remove()
 
 
+def backward(loss: Tensor, model: nn.Module) -> None:
+    """``loss.backward()`` of a training step tfcli replays; refused in one line where the
+    loss needs no gradient (the model has no trainable parameter, or none reaches its
+    output), where torch's own backward would raise: such a model has no training step."""
+    if not loss.requires_grad:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        why = (f"none of its {trainable:,} trainable parameter elements reaches it"
+               if trainable else "the model has no trainable parameters")
+        raise TfcliError(f"the model's loss needs no gradient ({why}): a training step has "
+                         f"no backward pass to size; --inference sizes its forward")
+    loss.backward()
+
+
 @contextlib.contextmanager
 def building(device, dtype: torch.dtype | None):
     """Where a model someone else wrote is constructed: on ``device``, with ``dtype`` as the

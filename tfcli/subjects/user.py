@@ -24,7 +24,7 @@ from torch import nn
 from tfcli.errors import TfcliError, did_you_mean
 from tfcli.subjects.base import (InputSpec, Inputs, RunFailed, Subject, building,
                                  check_inputs_fit, embedding_limit, error_text, make_tensors,
-                                 model_code, model_ending, signature_text)
+                                 model_code, model_ending, running, signature_text)
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -212,10 +212,34 @@ class UserSubject(Subject):
                              f"(nn.Module's own only raises NotImplementedError); define "
                              f"forward(self, ...) in it")
         check_module_tree(model, f"--model {self.ref}")
+        self._initialise_lazy(model, given, device, dtype)
         if str(device) != "meta":
             _materialise(model, device)
         self._given = given
         return model
+
+    def _initialise_lazy(self, model: nn.Module, given: Inputs | None, device, dtype) -> None:
+        """Lazy modules (nn.LazyLinear, ...) make their parameters in the model's first
+        forward, from the shapes it is given: that forward is run here on the example inputs
+        the factory returned (as torch advises, "a dummy batch"); without them the counts
+        cannot be known, and that is said in one line."""
+        from torch.nn.modules.lazy import LazyModuleMixin
+
+        lazy = [(path or "(model)", type(m).__name__) for path, m in model.named_modules()
+                if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+        if not lazy:
+            return
+        if given is None:
+            raise TfcliError(
+                f"--model {self.ref}: {lazy[0][0]} ({lazy[0][1]}) is a lazy module, whose "
+                f"parameters the model's first forward makes from the shapes it is given; "
+                f"return (model, example_inputs) from the factory (tfcli runs that forward on "
+                f"them), or call the model once in it")
+        import torch
+
+        with building(device, dtype), torch.no_grad(), \
+                running(model, "first forward pass (it makes the lazy modules' parameters)"):
+            given(model)
 
     def _signature(self) -> inspect.Signature | None:
         try:
@@ -274,6 +298,12 @@ class UserSubject(Subject):
             return TfcliError(f"--model {self.ref}: building it on the meta device raised "
                               f"{error_text(error)}{where}; build it for real (shapes: "
                               f"--device cpu, params: --build-on cpu)")
+        if "UninitializedParameter" in str(error) and "FakeTensor" in str(error):
+            return TfcliError(f"--model {self.ref}: its lazy modules (nn.LazyLinear, ...) "
+                              f"cannot be built on fake tensors, on which tfcli replays a "
+                              f"step (torch makes their UninitializedParameter from a real "
+                              f"tensor){where}; give them their input sizes (nn.Linear(IN, "
+                              f"OUT)) to size a step; counts and shapes work as they are")
         if isinstance(error, TypeError) and not own_frames:  # the call itself did not bind
             return TfcliError(f"--model {self.ref}: calling it raised {error_text(error)}; "
                               f"give its arguments with --model-arg NAME=VALUE")
