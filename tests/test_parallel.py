@@ -1736,3 +1736,30 @@ def test_lazy_modules_are_counted_from_their_first_forward_or_refused(cli, tmp_p
         refused = cli("params", *args)
         assert refused.exit_code == 2 and message in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_that_takes_no_split_sequence_is_refused_for_context_parallelism(cli, tmp_path):
+    """A learned position table sized to the whole length: the model runs at L = 64 but not
+    on a context-parallel rank's 32 positions. The failure was the model's (exit 1) without
+    a word about the split; it names cp and the rank's share now, and a plan without cp
+    still answers."""
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.pos = nn.Parameter(torch.zeros(64, 16))\n"
+        "        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))\n\n"
+        "    def forward(self, x):\n"
+        "        h = x + self.pos\n"
+        "        for block in self.blocks:\n"
+        "            h = block(h)\n"
+        "        return h\n")
+    base = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,16]",
+            "--seq-len", "64"]
+    refused = cli(*base, "--parallel", "dp=2,cp=2")
+    assert refused.exit_code == 2, refused.stderr
+    assert ("--parallel cp=2: the model runs whole at L=64 but not on one rank's 32 positions"
+            in refused.stderr and "Attempting to broadcast" in refused.stderr)
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert cli(*base, "--parallel", "dp=2").exit_code == 0

@@ -702,7 +702,18 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                         f"L={seq_len}, B=1, on fake tensors: with cp={par.cp} each rank "
                         f"replays {seq_len // par.cp} positions, but the model is given the "
                         f"whole sequence)")
-    result = at(batch, seq_len)
+    from tfcli.subjects.base import RunFailed
+
+    try:
+        result = at(batch, seq_len)
+    except RunFailed as error:
+        if par.cp == 1 or not seq_len:
+            raise
+        raise TfcliError(f"--parallel cp={par.cp}: the model runs whole at L={seq_len} but "
+                         f"not on one rank's {seq_len // par.cp} positions: {error}; it does "
+                         f"not take its sequence split over context-parallel ranks (a "
+                         f"position table or a fixed length sized to the whole); drop cp, "
+                         f"or make it take a shard of the length") from None
     data = result.to_dict()
     data["world_size"] = par.world
     data["conditions"]["seq_len"] = seq_len
