@@ -50,18 +50,65 @@ class Net(nn.Module):
         return self.head(h) if self.head is not None else h
 '''
 
+# a user's encoder-decoder: the encoder (its embedding and layers) runs before the decoder's
+# blocks, the largest ModuleList, and each block reads the encoder's output (the memory); a
+# stage after the first is handed the hidden state and the memory, and hands back both
+# gradients
+ENC_DEC = MODULE + '''
 
-def _user_stage(rank: int, world: int):
-    """The stage of the user's module this rank runs (torchtitan's recipe) and the loss."""
+class Cross(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.self_block = Block(d, heads)
+        self.heads, self.norm = heads, nn.LayerNorm(d)
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, x, memory):
+        x = self.self_block(x)
+        (b, l, d), s = x.shape, memory.shape[1]
+        q = self.q(self.norm(x)).view(b, l, self.heads, d // self.heads).transpose(1, 2)
+        k, v = self.kv(memory).view(b, s, 2, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.o(a.transpose(1, 2).reshape(b, l, d))
+
+
+class EncDec(nn.Module):
+    def __init__(self, vocab=256, d=64, heads=4, n=4):
+        super().__init__()
+        self.src_embed = nn.Embedding(vocab, d)
+        self.encoder = nn.Sequential(Block(d, heads), Block(d, heads))
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Cross(d, heads) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, src, tgt):
+        if self.embed is not None:  # the first stage: from the token ids
+            memory, h = self.encoder(self.src_embed(src)), self.embed(tgt)
+        else:  # a later one: from the hidden state and the memory it is handed
+            h, memory = src, tgt
+        for block in self.blocks:
+            h = block(h, memory)
+        if self.head is None:  # (gloo sends and receives contiguous tensors only)
+            return h.contiguous(), memory
+        return self.head(self.norm(h))
+'''
+
+
+def _user_stage(rank: int, world: int, encoder: bool = False):
+    """The stage of the user's module (``encoder``: the encoder-decoder) this rank runs
+    (torchtitan's recipe) and the loss."""
     import torch
 
     namespace: dict = {}
-    exec(compile(MODULE, "pipeline_reference.MODULE", "exec"), namespace)
-    model = namespace["Net"]()
+    exec(compile(ENC_DEC if encoder else MODULE, "pipeline_reference", "exec"), namespace)
+    model = namespace["EncDec" if encoder else "Net"]()
     start, count = _blocks_of(rank, world, len(model.blocks))
     model.blocks = torch.nn.ModuleList(list(model.blocks)[start:start + count])
     if rank > 0:
         model.embed = None
+        if encoder:
+            model.src_embed = model.encoder = None
     if rank < world - 1:
         model.norm = model.head = None
     return model, lambda out, target: out.float().square().mean(), 256
@@ -130,16 +177,17 @@ def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
     from memory_timeline import live_after_each
 
     torch.manual_seed(0)
-    module, loss, vocab = (_user_stage(rank, world) if model == "user" else
-                           _hf_stage(rank, world, model))
+    module, loss, vocab = (_user_stage(rank, world, model == "encdec")
+                           if model in ("user", "encdec") else _hf_stage(rank, world, model))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
     ids = torch.randint(0, vocab, (batch, length))
+    given = (ids, ids) if model == "encdec" else (ids,)  # (the source and the target)
 
     def step() -> None:
         if rank == 0:
-            schedule.step(ids)
+            schedule.step(*given)
         elif rank == world - 1:
             schedule.step(target=ids, losses=[])  # the user's stand-in loss reads none
         else:

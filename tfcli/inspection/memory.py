@@ -392,10 +392,14 @@ class _UnitsBackward:
 
 
 def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int],
-                marks: _UnitsBackward | None = None) -> list:
+                marks: _UnitsBackward | None = None, sent: list[int] | None = None) -> list:
     """Hooks that tell ``saved`` which unit runs, and add to ``inputs[i]`` the bytes of the
     tensors unit i is called with that no earlier unit was called with (what full activation
-    checkpointing keeps of it); ``marks`` learns where the units' backward begins and ends."""
+    checkpointing keeps of it), and to ``sent[i]`` those of every tensor it is called with
+    that needs a gradient (what a pipeline stage that begins at unit i is handed, and hands
+    back the gradients of: its hidden state, an encoder's output; a mask or rotary angles,
+    which need none, each stage makes itself); ``marks`` learns where the units' backward
+    begins and ends."""
     seen: set[int] = set()
 
     def enter(index: int):
@@ -407,12 +411,16 @@ def _unit_hooks(units: list[nn.Module], saved: _SavedTensors, inputs: list[int],
                 marks.watch_input(leaves)
             if marks is not None:
                 marks.calls += 1
+            here: set[int] = set()
             for t in leaves:
                 if isinstance(t, Tensor) and t.is_floating_point():
                     key = id(storage_of(t))
                     if key not in seen:
                         seen.add(key)
                         inputs[index] += storage_of(t).nbytes()
+                    if sent is not None and t.requires_grad and key not in here:
+                        here.add(key)
+                        sent[index] += storage_of(t).nbytes()
         return hook
 
     def leave(module, args, output):
@@ -457,6 +465,8 @@ class ActivationEstimate:
     unit_working: int = 0
     output_bytes: int = 0  # the model's output (its distinct storages)
     output_unsaved: int = 0  # of it, what autograd did not save for backward
+    # with units: the bytes of the tensors each is called with that need a gradient
+    unit_sent: list[int] = field(default_factory=list)
 
     @property
     def working_bytes(self) -> int:
@@ -503,9 +513,9 @@ def simulate_training_step(build: Callable[[], nn.Module],
         amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         blocks = units(model) if units is not None else []
-        unit_inputs = [0] * len(blocks)
+        unit_inputs, unit_sent = [0] * len(blocks), [0] * len(blocks)
         marks = _UnitsBackward(live) if blocks else None
-        handles = _unit_hooks(blocks, saved, unit_inputs, marks)
+        handles = _unit_hooks(blocks, saved, unit_inputs, marks, unit_sent)
         root_hooks = []
         if marks is not None:
             inside = {id(p): p for block in blocks for p in block.parameters()
@@ -545,7 +555,7 @@ def simulate_training_step(build: Callable[[], nn.Module],
                 marks.close()
     estimate = ActivationEstimate(live.peak, sums, unit_saved, unit_inputs, sources, after,
                                   held, before, output_bytes=output_bytes,
-                                  output_unsaved=unsaved)
+                                  output_unsaved=unsaved, unit_sent=unit_sent)
     if marks is not None and marks.start_peak is not None:
         estimate = replace(estimate, start_peak=marks.start_peak, start_live=marks.start_live,
                            end_peak=marks.end_peak, late_root_numel=marks.late_numel,

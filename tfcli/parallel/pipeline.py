@@ -330,7 +330,7 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
     recomputed = [again[i] for i in st.blocks]
     why = f"min(P - s, M) = min({pp} - {st.index}, {m})"
     first, last = st.index == 0, st.index == pp - 1
-    received = 0 if first else estimate.unit_inputs[st.blocks[0]]  # the stage's input
+    received = 0 if first else _handed_over(st, estimate, pp, into=True)  # the stage's input
     sent = 0 if last else _handed_over(st, estimate, pp)  # its output
     kinds = ([f"its input ({received:,} B)"] if received else []) + (
         [f"its output's gradient ({sent:,} B)"] if sent else [])
@@ -340,7 +340,8 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
                 "allocates them at the first step and keeps them"
                 + (f", and the gradient of its input, made in backward, until it is sent "
                    f"({received:,} B)" if received else "")
-                + " (the hidden state, as the replay has it; Megatron-LM allocates one per "
+                + " (what the blocks are called with that needs a gradient: the hidden state, "
+                  "and an encoder's output where they read it; Megatron-LM allocates one per "
                   "transfer)", "communication", sb.name),
            Line("activations: layers", flight * sum(kept),
                 f"{len(kept)} block(s) × {flight} micro-batch(es) in flight ({why}): {how}; "
@@ -349,7 +350,10 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
         out.append(Line("activations: recomputed layer", max(recomputed),
                         f"the stage's largest block's {what}", "activations"))
     if st.index < pp - 1:
-        out.append(Line("activations: stage outputs", flight * _handed_over(st, estimate, pp),
+        # (what it hands on beside the hidden state, an encoder's output, is held already:
+        # saved by the blocks that read it, or the stage's own receive buffer)
+        out.append(Line("activations: stage outputs",
+                        flight * estimate.unit_inputs[st.blocks[-1] + 1],
                         f"the stage's output (the hidden state) of each of {flight} "
                         f"micro-batch(es) in flight, kept for its backward as "
                         f"torch.distributed.pipelining's PipelineStage keeps it (fwd_cache; "
@@ -389,8 +393,10 @@ def _activation_lines(st: Stage, estimate, pp: int, m: int, checkpointing: str,
     return out, max(kept)
 
 
-def _handed_over(st: Stage, estimate, pp: int) -> int:
-    """What the stage sends on (or, the last, receives): the tensors the next stage's first
-    block (or its own) is called with that no earlier block was — the hidden state."""
-    following = st.blocks[-1] + 1 if st.index < pp - 1 else st.blocks[0]
-    return estimate.unit_inputs[following]
+def _handed_over(st: Stage, estimate, pp: int, into: bool = False) -> int:
+    """What the stage sends on (``into``, or the last stage: what it receives): the tensors
+    the next stage's first block (or its own) is called with that need a gradient — the
+    hidden state, and an encoder-decoder's memory; what needs none (masks, rotary angles)
+    each stage makes for itself."""
+    following = st.blocks[0] if into or st.index == pp - 1 else st.blocks[-1] + 1
+    return estimate.unit_sent[following]
