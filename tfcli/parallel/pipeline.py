@@ -20,9 +20,11 @@ configuration fields (those are :mod:`tfcli.parallel.plan`'s).
   micro-batch in flight, the first stage also what ran before the blocks, the last stage what ran
   after them (head, loss) and backward's working set. A stage but the last keeps its output for
   each micro-batch in flight until that micro-batch's backward, as torch.distributed.pipelining's
-  PipelineStage does (Megatron-LM frees the output's data once sent). Every stage has one
-  activation and one gradient in transit to or from its neighbours: what a block past the first
-  is called with (the hidden state).
+  PipelineStage does (Megatron-LM frees the output's data once sent). What passes between
+  stages is what the stage's first block is called with that needs a gradient (the hidden
+  state; an encoder-decoder's memory too); a stage keeps, as PipelineStage allocates them at
+  its first step, a receive buffer per micro-batch for its input and for its output's
+  gradient, and its input's gradient until it is sent.
 - Model states, buffers and the ZeRO/FSDP lines: :mod:`tfcli.parallel.traced`'s over the
   stage's parameters, sharded over the data-parallel ranks (FSDP units: the stage's blocks and
   its other parameters as the root).
