@@ -543,8 +543,6 @@ class TensorParallelModel(TracedModel):
         (elements), a note for each that is larger than its parameter's shard, and for each
         such parameter (by its first name) the elements beyond its shard and its note: one
         small fake forward and backward of the split ``model``."""
-        import torch
-
         from tfcli.inspection.memory import _sizes_text
         from tfcli.subjects.base import RunFailed, backward, running
 
@@ -594,8 +592,6 @@ class TensorParallelModel(TracedModel):
     def _runs_whole(self, sizes: dict[str, int]) -> None:
         """Raise the model's own failure (exit 1, as without tensor parallelism) when the
         whole model, unsplit, cannot run at ``sizes`` either: then the plan is not to blame."""
-        import torch
-
         from tfcli.inspection.memory import REPLAY
         from tfcli.subjects.base import RunFailed, backward, running
 
