@@ -1763,3 +1763,26 @@ def test_a_model_that_takes_no_split_sequence_is_refused_for_context_parallelism
             in refused.stderr and "Attempting to broadcast" in refused.stderr)
     assert len(refused.stderr.strip().splitlines()) == 1
     assert cli(*base, "--parallel", "dp=2").exit_code == 0
+
+
+def test_a_model_without_a_sequence_is_sized_by_its_batch(cli):
+    """A ViT's inputs have no sequence (H and W are an image's sides), yet its step was sized
+    only with a --seq-len that meant nothing to it, and --fit batch asked for one. --batch-size
+    (or --dim) sizes it now, the same step as before; a model with a sequence still needs
+    --seq-len."""
+    vit = ["--model", f"hf:{Path(__file__).resolve().parents[1] / 'examples' / 'vit-tiny'}"]
+    by_batch = cli("params", *vit, "--batch-size", "4", "--json")
+    assert by_batch.exit_code == 0, by_batch.stderr
+    with_length = json.loads(cli("params", *vit, "--batch-size", "4", "--seq-len", "64",
+                                 "--json").stdout)
+    lines = {line["name"]: line["bytes"] for line in json.loads(by_batch.stdout)["memory"]}
+    assert lines == {line["name"]: line["bytes"] for line in with_length["memory"]}
+    assert lines["activations: other saved"] > 0 and lines["peak of a training step"] > 0
+    fit = cli("params", *vit, "--parallel", "dp=2,zero=3", "--fit", "batch", "--device-memory",
+              "64MiB", "--json")
+    assert fit.exit_code == 0, fit.stderr
+    data = json.loads(fit.stdout)
+    assert data["fit"]["largest"] > 1 and data["conditions"]["seq_len"] is None
+    text = cli("params", "--model", f"hf:{LLAMA_TINY}", "--batch-size", "4")
+    assert text.exit_code == 2 and "--batch-size sizes the activation lines, which need a " \
+        "length: add --seq-len L" in text.stderr

@@ -85,6 +85,14 @@ class Kernel(str, Enum):
     efficient = "efficient"
 
 
+def _sized_without_length(v) -> bool:
+    """--batch-size or --dim, without a length, for a --model: the sizes of a model whose
+    inputs have no sequence (an image's sides, features alone), which the step is replayed
+    at; whether its inputs have one is known once it is resolved (params checks again)."""
+    return (v.model_ref is not None and v.seq_len is None and v.fit_ is not Fit.seq_len
+            and (v.typed("batch_size") or v.typed("dim") or v.fit_ is Fit.batch))
+
+
 def _per_rank(v) -> str | None:
     """The first option that asks for the per-rank plan (None: one device; with --inference,
     --device-memory and --fit ask whether serving fits one device)."""
@@ -98,20 +106,23 @@ def _per_rank(v) -> str | None:
 
 
 JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
-STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len),
+STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len)
+             or (v.sized_without_length and not v.inference),
              "only with --seq-len",
              "applies to the memory of a step: add --seq-len L (and --batch-size B)")
 # what a step's replay follows; --fit seq-len replays steps too, at the lengths it tries
-STEP_OR_SEARCH = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+# (a --model whose inputs have no sequence, a ViT's, is sized by --batch-size and --dim)
+ONLY_SIZED = "only with --seq-len or --fit seq-len, or a sequence-free --model's --batch-size"
+STEP_OR_SEARCH = Needs(lambda v: v.sized, ONLY_SIZED,
                        "applies to the memory of a step: add --seq-len L (and --batch-size B), "
                        "or --fit seq-len")
 SERVING_FIT = Needs(lambda v: not v.inference or v.device_memory is not None,
                     "with --inference: only with --device-memory",
                     "{option} {value} --inference searches what fits --device-memory: add "
                     "--device-memory SIZE|GPU")
-SIZED = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+SIZED = Needs(lambda v: v.sized, ONLY_SIZED,
               "sizes the activation lines, which need a length: add --seq-len L")
-CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, "only with --seq-len or --fit seq-len",
+CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, ONLY_SIZED,
                             "changes the activations, which need a length: add --seq-len L "
                             "(model states are the same with or without it)")
 TABLE_ONLY = Needs(lambda v: not v.json_out, "not with --json",
@@ -266,7 +277,9 @@ RULES = Rules(
              # context-parallel ranks step the same shards as data-parallel ones
              "data_parallel_only": lambda v: _model_split(v, ("tp", "pp", "ep")) is None,
              "rank_timeline": lambda v: _rank_timeline(v),
-             "sized": lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len},
+             "sized_without_length": _sized_without_length,
+             "sized": lambda v: (v.seq_len is not None or v.fit_ is Fit.seq_len
+                                 or v.sized_without_length)},
 )
 
 
@@ -385,7 +398,8 @@ def params(
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
-    v = RULES.apply(locals())
+    typed = dict(locals())
+    v = RULES.apply(typed)
     prec = (precision or Precision.autocast).value
     if param_count is not None:
         from tfcli.parallel.report import params_parallel, parse_param_count
@@ -398,6 +412,11 @@ def params(
     timeline_file = _check_timeline(timeline)  # absolute: the model may change directory
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
                               attn_implementation)  # first: it may speak before torch loads
+    if v.sized_without_length:
+        if any(d in ("S", "T", "L") for d in subject.length_dims()):  # it has a sequence
+            RULES.apply(typed, sized_without_length=lambda v: False)  # refused as for text
+        else:  # no letter of it is a length: the step at --batch-size and --dim
+            seq_len = subject.default_sizes.get("L", 1)  # (set for the letters it lacks)
     from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze

@@ -82,10 +82,11 @@ class Rules:
         self.rules = rules
         self.derived = derived or {}
 
-    def apply(self, values: dict[str, Any]) -> Values:
+    def apply(self, values: dict[str, Any], **derived: Callable[[Values], Any]) -> Values:
         """Refuse the first typed option whose condition fails; the values (with the derived
-        ones) otherwise, for the command to read."""
-        v = Values(values, self.derived)
+        ones) otherwise, for the command to read. ``derived`` replaces some of the table's
+        derived values: a second pass once the model tells what the first could not know."""
+        v = Values(values, {**self.derived, **derived})
         for rule in self.rules:
             typed = [name for name in rule.names if v.typed(name)]
             if not typed:

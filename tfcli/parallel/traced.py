@@ -716,6 +716,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                          f"or make it take a shard of the length") from None
     data = result.to_dict()
     data["world_size"] = par.world
+    if not any(d in ("S", "T", "L") for d in subject.length_dims()):
+        seq_len = None  # (a model without a sequence: its step was replayed at its own sizes)
     data["conditions"]["seq_len"] = seq_len
     data["conditions"]["seq_len_per_rank"] = seq_len // par.cp if seq_len else None
     if par.cp > 1 and seq_len and data["conditions"].get("activations"):
