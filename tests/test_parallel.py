@@ -1767,17 +1767,20 @@ def test_a_model_that_takes_no_split_sequence_is_refused_for_context_parallelism
 
 def test_a_model_without_a_sequence_is_sized_by_its_batch(cli):
     """A ViT's inputs have no sequence (H and W are an image's sides), yet its step was sized
-    only with a --seq-len that meant nothing to it, and --fit batch asked for one. --batch-size
-    (or --dim) sizes it now, the same step as before; a model with a sequence still needs
-    --seq-len."""
+    only with a --seq-len that meant nothing to it, and --fit batch asked for one.
+    --batch-size (or --dim) sizes it now (a --seq-len, as before, changes nothing); a model
+    with a sequence still needs --seq-len."""
     vit = ["--model", f"hf:{Path(__file__).resolve().parents[1] / 'examples' / 'vit-tiny'}"]
-    by_batch = cli("params", *vit, "--batch-size", "4", "--json")
-    assert by_batch.exit_code == 0, by_batch.stderr
-    with_length = json.loads(cli("params", *vit, "--batch-size", "4", "--seq-len", "64",
-                                 "--json").stdout)
-    lines = {line["name"]: line["bytes"] for line in json.loads(by_batch.stdout)["memory"]}
-    assert lines == {line["name"]: line["bytes"] for line in with_length["memory"]}
-    assert lines["activations: other saved"] > 0 and lines["peak of a training step"] > 0
+    saved = {}
+    for b in (4, 8):
+        result = cli("params", *vit, "--batch-size", str(b), "--json")
+        assert result.exit_code == 0, result.stderr
+        lines = {line["name"]: line["bytes"] for line in json.loads(result.stdout)["memory"]}
+        saved[b] = lines["activations: other saved"] + lines["activations: attention matrices"]
+    # what each image saves, per image (but a scalar or two the loss saves once)
+    assert saved[4] > 0 and abs(saved[8] - 2 * saved[4]) <= 8
+    ignored = cli("params", *vit, "--batch-size", "8", "--seq-len", "64", "--json")
+    assert {line["name"]: line["bytes"] for line in json.loads(ignored.stdout)["memory"]} == lines
     fit = cli("params", *vit, "--parallel", "dp=2,zero=3", "--fit", "batch", "--device-memory",
               "64MiB", "--json")
     assert fit.exit_code == 0, fit.stderr
@@ -1786,3 +1789,48 @@ def test_a_model_without_a_sequence_is_sized_by_its_batch(cli):
     text = cli("params", "--model", f"hf:{LLAMA_TINY}", "--batch-size", "4")
     assert text.exit_code == 2 and "--batch-size sizes the activation lines, which need a " \
         "length: add --seq-len L" in text.stderr
+
+
+def test_wrap_is_refused_where_it_would_choose_nothing_or_what_fsdp_refuses(cli, tmp_path):
+    """--wrap ModuleList was sized, though FSDP2's fully_shard refuses a container without a
+    forward; and with DDP (zero=0), which has no units, --wrap changed the plan's bytes (the
+    whole model one unit: +13 %). Both are refused in one line; --wrap still chooses FSDP's
+    units, the pipeline's blocks and the checkpointed units (found by the hostile sweep)."""
+    (tmp_path / "m.py").write_text(_BLOCKS)
+    base = ["params", "--model", f"{tmp_path}/m.py:Net", "--input", "x=float32[B,L,3]",
+            "--seq-len", "8", "--batch-size", "2"]
+    for extra, message in [
+            (["--parallel", "dp=2,zero=3", "--wrap", "ModuleList"],
+             "--wrap ModuleList: a container without a forward of its own, which FSDP2's "
+             "fully_shard refuses"),
+            (["--parallel", "dp=2", "--wrap", "Net"],
+             "--wrap Net with dp=2: it chooses FSDP's units (zero=3), the pipeline's blocks (pp) "
+             "and the checkpointed units (--checkpointing); none of them is in this plan")]:
+        refused = cli(*base, *extra)
+        assert refused.exit_code == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    for extra in (["--parallel", "dp=2", "--checkpointing", "full"], ["--parallel", "pp=3"],
+                  ["--parallel", "dp=2,zero=3"]):
+        assert cli(*base, *extra, "--wrap", "Linear").exit_code == 0, extra
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    with pytest.raises(ValueError, match="does not support containers"):  # as torch says it
+        fully_shard(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+
+
+def test_a_rank_timeline_keeps_fsdps_advice_to_the_models_author_off_stderr(cli, tmp_path):
+    """FSDP2 warns when a wrapped module returns a view; under --timeline its two lines
+    reached stderr as if they were tfcli's (found by the hostile sweep)."""
+    (tmp_path / "m.py").write_text(_BLOCKS.replace("return self.out(h)",
+                                                   "return self.out(h).view(-1, 4)"))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:  # what a process would print
+        warnings.simplefilter("always")
+        result = cli("params", "--model", f"{tmp_path}/m.py:Net", "--input",
+                     "x=float32[B,L,3]", "--seq-len", "8", "--batch-size", "2", "--parallel",
+                     "dp=2,zero=3", "--timeline", str(tmp_path / "rank.html"))
+    assert result.exit_code == 0, result.stderr
+    assert not [w for w in seen if "FSDP2-wrapped module" in str(w.message)]
+    assert result.stderr == "" and (tmp_path / "rank.html").exists()

@@ -319,7 +319,8 @@ def test_bad_options(cli, args, message):
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "4"], "--batch-size sizes the activation lines, which need a length: add "
                             "--seq-len L"),
-    (["--dim", "S=4"], "--dim sizes the activation lines"),
+    (["--dim", "S=4"], "--dim S=4: a length is given as --seq-len (it sets S, T and L)"),
+    (["--dim", "B=2"], "--dim sizes the activation lines"),
     (["--freeze", "encoder.*", "--parallel", "dp=2"],
      "--freeze is not modelled with --parallel: the per-rank plan gives every parameter"),
     (["--freeze", "encoder.*", "--device-memory", "80GiB"],

@@ -108,14 +108,16 @@ def _per_rank(v) -> str | None:
 JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len)
              or (v.sized_without_length and not v.inference),
-             "only with --seq-len",
-             "applies to the memory of a step: add --seq-len L (and --batch-size B)")
+             "only with --seq-len, or a sequence-free --model's --batch-size",
+             "applies to the memory of a step: add --seq-len L (and --batch-size B; a --model "
+             "whose inputs have no sequence: --batch-size B alone)")
 # what a step's replay follows; --fit seq-len replays steps too, at the lengths it tries
 # (a --model whose inputs have no sequence, a ViT's, is sized by --batch-size and --dim)
 ONLY_SIZED = "only with --seq-len or --fit seq-len, or a sequence-free --model's --batch-size"
 STEP_OR_SEARCH = Needs(lambda v: v.sized, ONLY_SIZED,
                        "applies to the memory of a step: add --seq-len L (and --batch-size B), "
-                       "or --fit seq-len")
+                       "or --fit seq-len (a --model whose inputs have no sequence: --batch-size "
+                       "B)")
 SERVING_FIT = Needs(lambda v: not v.inference or v.device_memory is not None,
                     "with --inference: only with --device-memory",
                     "{option} {value} --inference searches what fits --device-memory: add "
@@ -124,7 +126,8 @@ SIZED = Needs(lambda v: v.sized, ONLY_SIZED,
               "sizes the activation lines, which need a length: add --seq-len L")
 CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, ONLY_SIZED,
                             "changes the activations, which need a length: add --seq-len L "
-                            "(model states are the same with or without it)")
+                            "(a --model whose inputs have no sequence: --batch-size B; model "
+                            "states are the same with or without it)")
 TABLE_ONLY = Needs(lambda v: not v.json_out, "not with --json",
                    "{option}: shape the table; --json holds every module whole (drop {it}, or "
                    "drop --json)")
@@ -143,6 +146,17 @@ def _model_split(v, keys: tuple[str, ...] = ("tp", "pp", "cp")) -> str | None:
         return None
     par = parse_parallel(v.parallel)
     return next((f"{key}={getattr(par, key)}" for key in keys if getattr(par, key) > 1), None)
+
+
+def _units_chosen(v) -> bool:
+    """Whether the per-rank plan has units --wrap would choose: FSDP's (zero=3), the
+    pipeline's blocks, or those --checkpointing checkpoints (DDP and ZeRO-1/2 have none)."""
+    from tfcli.parallel.layout import parse_parallel
+
+    if v.parallel is None:
+        return v.checkpointing is not None
+    par = parse_parallel(v.parallel)
+    return par.zero == 3 or par.pp > 1 or v.checkpointing is not None
 
 
 def _tensor_ranks(v) -> int:
@@ -196,7 +210,11 @@ RULES = Rules(
     Rule("wrap", any_model("{option} applies to --model; tfcli's own model wraps each of its "
                            "layers"),
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
-               "chooses the FSDP units of the per-rank plan: add --parallel dp=N,zero=3")),
+               "chooses the FSDP units of the per-rank plan: add --parallel dp=N,zero=3"),
+         Needs(_units_chosen, "with zero=3, pp=P or --checkpointing",
+               "{option} {value} with {v.parallel}: it chooses FSDP's units (zero=3), the "
+               "pipeline's blocks (pp) and the checkpointed units (--checkpointing); none of "
+               "them is in this plan: drop it")),
     Rule("device", STEP_OR_SEARCH),
     Rule("attention_kernel", STEP_OR_SEARCH),
     Rule("keep_grads", STEP),
@@ -212,6 +230,11 @@ RULES = Rules(
          Needs(lambda v: v.build_on is BuildDevice.cpu, "only with --build-on cpu",
                "bounds --build-on cpu; meta allocates nothing")),
     Rule("keep_grads", ONE_DEVICE),
+    Rule("dim", Needs(lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len or not any(
+        t.partition("=")[0].strip() in ("S", "T", "L") for t in v.dim or []),
+                      "not for S, T or L",
+                      "{option} {value}: a length is given as --seq-len (it sets S, T and L); "
+                      "--dim sets the inputs' other letters")),
     Rule("dim", Needs(lambda v: v.per_rank is None or v.model_ref is not None,
                       "with --parallel: only with --model",
                       "{option} {value} with {v.per_rank}: tfcli's own plan takes its sizes "
@@ -412,12 +435,13 @@ def params(
     timeline_file = _check_timeline(timeline)  # absolute: the model may change directory
     subject = resolve_subject(preset, config, set_, model_ref, model_arg, hf_class, input_,
                               attn_implementation)  # first: it may speak before torch loads
+    from tfcli.errors import TfcliError
+
     if v.sized_without_length:
         if any(d in ("S", "T", "L") for d in subject.length_dims()):  # it has a sequence
             RULES.apply(typed, sized_without_length=lambda v: False)  # refused as for text
         else:  # no letter of it is a length: the step at --batch-size and --dim
             seq_len = subject.default_sizes.get("L", 1)  # (set for the letters it lacks)
-    from tfcli.errors import TfcliError
     from tfcli.inspection import memory as mem
     from tfcli.inspection.params import freeze as apply_freeze
     from tfcli.inspection.params import param_report

@@ -24,6 +24,7 @@ the moment FSDP2 issues it, as the caching allocator holds it on a GPU.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -224,7 +225,10 @@ def rank_timeline(subject, build, units, world: int, sizes: dict[str, int], opti
     from tfcli.subjects.base import Inputs, backward, running
 
     timeline = Timeline()
-    with _fake_world(world) as mesh, FakeTensorMode():
+    with _fake_world(world) as mesh, FakeTensorMode(), warnings.catch_warnings():
+        # FSDP2's advice to the model's author (a view returned by a wrapped module) is not
+        # for the user of tfcli: said on stderr, it reads as tfcli's own
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
         model = build()
         _shard(model, units(model), mesh, reshard_after_forward, root_default)
         model.train()

@@ -60,16 +60,22 @@ def _largest_module_list(model):
 
 
 def _classes(model) -> list[str]:
-    """Class names of the modules that hold parameters of their own or below, root excluded."""
+    """Class names of the modules that hold parameters of their own or below and run a
+    forward of their own (FSDP2 wraps no container), the root's first."""
+    from torch import nn
+
     names: dict[str, None] = {}
-    for path, module in model.named_modules():
-        if path and any(True for _ in module.parameters()):
+    for _, module in model.named_modules():
+        if any(True for _ in module.parameters()) and \
+                type(module).forward is not nn.Module.forward:
             names.setdefault(type(module).__name__)
     return list(names)
 
 
 def find_units(model, wrap: str | None = None) -> Units:
     """The wrap units of ``model`` (see the module's docstring)."""
+    from torch import nn
+
     if wrap is not None:
         modules, inside = [], set()
         for path, module in model.named_modules():
@@ -78,6 +84,11 @@ def find_units(model, wrap: str | None = None) -> Units:
             if type(module).__name__ == wrap:
                 modules.append((path, module))
                 inside.add(path)
+        if modules and type(modules[0][1]).forward is nn.Module.forward:
+            raise TfcliError(f"--wrap {wrap}: a container without a forward of its own, "
+                             f"which FSDP2's fully_shard refuses (\"does not support "
+                             f"containers that do not implement forward\"); name the class of "
+                             f"its modules: {', '.join(_classes(model)[:12])}")
         if not modules and type(model).__name__ == wrap:
             # fully_shard(model) alone: the root is the one unit, as FSDP2 makes it
             how = (f"--wrap {wrap}: the model itself; the whole model is one unit (the "
@@ -85,7 +96,8 @@ def find_units(model, wrap: str | None = None) -> Units:
         elif not modules:
             classes = _classes(model)
             raise TfcliError(f"--wrap {wrap!r}: the model has no module of that class"
-                             f"{did_you_mean(wrap, classes)}; its classes with parameters: "
+                             f"{did_you_mean(wrap, classes)}; its classes with parameters and "
+                             f"a forward: "
                              f"{', '.join(classes[:12])}{', ...' if len(classes) > 12 else ''}")
         else:
             how = (f"--wrap {wrap}: {len(modules)} module(s) ({modules[0][0]}"
