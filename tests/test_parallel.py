@@ -1834,3 +1834,45 @@ def test_a_rank_timeline_keeps_fsdps_advice_to_the_models_author_off_stderr(cli,
     assert result.exit_code == 0, result.stderr
     assert not [w for w in seen if "FSDP2-wrapped module" in str(w.message)]
     assert result.stderr == "" and (tmp_path / "rank.html").exists()
+
+
+_POSITION_TABLE = ("import torch\nfrom torch import nn\n\n\n"
+                   "class GPT(nn.Module):\n"
+                   "    def __init__(self):\n"
+                   "        super().__init__()\n"
+                   "        self.tok, self.pos = nn.Embedding(100, 32), nn.Embedding(64, 32)\n"
+                   "        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))\n"
+                   "        self.head = nn.Linear(32, 100)\n\n"
+                   "    def forward(self, idx):\n"
+                   "        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1],"
+                   " device=idx.device))\n"
+                   "        for block in self.blocks:\n"
+                   "            x = block(x)\n"
+                   "        return self.head(x)\n")
+
+
+def test_a_position_table_read_past_its_rows_fails_as_torch_fails(cli, tmp_path):
+    """Fake tensors hold no values, so a learned position table of 64 rows (nn.Embedding)
+    read at 128 positions ran in the replay, and --fit seq-len answered 576 for a model that
+    runs up to 64 (found by the hostile sweep). The positions torch.arange makes are known:
+    the lookup fails as torch's own does on real tensors, and the search says the model
+    stopped it."""
+    import torch
+
+    (tmp_path / "m.py").write_text(_POSITION_TABLE)
+    namespace: dict = {}
+    exec(_POSITION_TABLE, namespace)
+    with pytest.raises(IndexError, match="index out of range in self"):  # torch, for real
+        namespace["GPT"]()(torch.zeros(1, 128, dtype=torch.long))
+    base = ["--model", f"{tmp_path}/m.py:GPT", "--input", "idx=int64[B,L]"]
+    for args in (["params", *base, "--seq-len", "128"], ["shapes", *base, "--dim", "L=128"],
+                 ["params", *base, "--seq-len", "128", "--parallel", "dp=2,cp=2"]):
+        failed = cli(*args)
+        assert failed.exit_code == 1, (args, failed.stderr)
+        assert "pos (Embedding) with inputs [128]: IndexError: index out of range in self" \
+            in failed.stderr
+    assert cli("params", *base, "--seq-len", "64").exit_code == 0
+    fit = cli("params", *base, "--fit", "seq-len", "--device-memory", "1GiB", "--json")
+    assert fit.exit_code == 0, fit.stderr
+    found = json.loads(fit.stdout)["fit"]
+    assert found["largest"] == 64 and "index out of range" in found["model_refused"]["why"]

@@ -178,7 +178,7 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
     """Run the model once on ``inputs`` (a dict of keyword arguments, or an ``Inputs``) and
     return one event per module call. ``causal_half`` halves the attention FLOPs of calls
     with ``is_causal=True`` and of attention inside modules ``is_causal_scope`` names."""
-    from tfcli.subjects.base import Inputs
+    from tfcli.subjects.base import Inputs, check_rows, positions_known
 
     call = inputs if isinstance(inputs, Inputs) else Inputs((), dict(inputs))
     containers = (nn.ModuleList, nn.ModuleDict)
@@ -196,6 +196,8 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
         event = ShapeEvent(len(events), path, type(module).__name__, depth_of.get(path, 0),
                            stack[-1].order if stack else None,
                            shapes_of(args) + shapes_of(kwargs))
+        if isinstance(module, nn.Embedding):  # an index past its rows: torch's error
+            check_rows(module, args[0] if args else kwargs.get("input"))
         if isinstance(module, nn.MultiheadAttention):
             event.flops, event.attention_flops, event.backward_torch, event.details = _mha(
                 module, args, kwargs)
@@ -228,7 +230,7 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
             handles.append(module.register_forward_hook(
                 lambda m, a, kw, out, path=path: post(path, m, a, kw, out), with_kwargs=True))
         try:
-            with OpObserver(on_op, every_formula=True):
+            with OpObserver(on_op, every_formula=True), positions_known():
                 output = [call(model)]
             release(output, "as its forward pass's output was freed")
         except TfcliError:

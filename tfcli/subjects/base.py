@@ -503,6 +503,68 @@ def _shape_text(t) -> list[int] | str | None:
     return "nested" if t.is_nested else list(t.shape)
 
 
+# Integer tensors torch.arange made on fake or meta tensors, whose values are known where no
+# other tensor's are: id -> (the tensor, weakly; its largest value). See positions_known.
+_ARANGED: dict[int, tuple] = {}
+_ARANGE = {"depth": 0, "original": None}
+
+
+def _arange_bounds(args: tuple, kwargs: dict, out: Tensor) -> int | None:
+    """The largest value of ``torch.arange(*args, **kwargs)`` (``out``), where its start and
+    step are plain numbers."""
+    given = dict(zip(("start", "end", "step") if len(args) > 1 else ("end",), args))
+    given.update(kwargs)
+    start, step = given.get("start", 0), given.get("step", 1)
+    if not all(isinstance(x, (int, float)) for x in (start, step)):
+        return None
+    return int(max(start, start + (out.numel() - 1) * step))
+
+
+@contextlib.contextmanager
+def positions_known():
+    """On fake and meta tensors an index has no value, so an nn.Embedding read beyond its
+    rows (a learned position table of 64 rows given 128 positions) would run where torch
+    raises "index out of range in self". The positions a model makes with torch.arange are
+    the exception, their values known from its arguments: while a model runs, torch.arange's
+    integer outputs on fake or meta tensors are remembered with their largest value, and
+    running()'s hooks check each nn.Embedding's index (or the tensor it is a view of)."""
+    import weakref
+
+    if _ARANGE["depth"] == 0:
+        original = _ARANGE["original"] = torch.arange
+
+        def arange(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if isinstance(out, Tensor) and out.numel() and not out.is_floating_point() and (
+                    out.is_meta or type(out).__name__ == "FakeTensor"):
+                top = _arange_bounds(args, kwargs, out)
+                if top is not None:
+                    _ARANGED[id(out)] = (weakref.ref(out), top)
+            return out
+
+        torch.arange = arange
+    _ARANGE["depth"] += 1
+    try:
+        yield
+    finally:
+        _ARANGE["depth"] -= 1
+        if _ARANGE["depth"] == 0:
+            torch.arange = _ARANGE["original"]
+            _ARANGED.clear()
+
+
+def check_rows(module: nn.Embedding, index) -> None:
+    """Raise as torch does for an index of known values beyond ``module``'s rows."""
+    if not isinstance(index, Tensor):
+        return
+    base = index if index._base is None else index._base
+    known = _ARANGED.get(id(base))
+    if known is not None and known[0]() is base and known[1] >= module.num_embeddings:
+        raise IndexError(f"index out of range in self (torch.arange's positions up to "
+                         f"{known[1]:,} into {module.num_embeddings:,} rows; torch raises this "
+                         f"on real tensors, which fake tensors would not)")
+
+
 @contextlib.contextmanager
 def running(model: nn.Module, what: str = "forward pass", during: str = ""):
     """Run ``model`` inside this block as tfcli runs code it did not write: an exception of
@@ -518,6 +580,8 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
                   if isinstance(t, Tensor) or t is None]
         calls.append(f"{names.get(id(module)) or '(model)'} ({type(module).__name__}) with "
                      f"inputs {', '.join(str(s) for s in shapes)}")
+        if isinstance(module, nn.Embedding):
+            check_rows(module, args[0] if args else kwargs.get("input"))
 
     def leave(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         calls.pop()  # returns None: a hook's value would replace the output
@@ -526,7 +590,7 @@ def running(model: nn.Module, what: str = "forward pass", during: str = ""):
         m.register_forward_pre_hook(enter, with_kwargs=True),
         m.register_forward_hook(leave, with_kwargs=True))]
     try:
-        with model_code(f"in its {what}"):
+        with model_code(f"in its {what}"), positions_known():
             yield
     except (TfcliError, MemoryError, torch.OutOfMemoryError):
         raise
