@@ -13,6 +13,7 @@ import inspect
 import os
 import re
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -507,6 +508,7 @@ def _shape_text(t) -> list[int] | str | None:
 # other tensor's are: id -> (the tensor, weakly; its largest value). See positions_known.
 _ARANGED: dict[int, tuple] = {}
 _ARANGE = {"depth": 0, "original": None}
+_ARANGE_LOCK = threading.Lock()  # models may run in several threads at once
 
 
 def _arange_bounds(args: tuple, kwargs: dict, out: Tensor) -> int | None:
@@ -530,27 +532,29 @@ def positions_known():
     running()'s hooks check each nn.Embedding's index (or the tensor it is a view of)."""
     import weakref
 
-    if _ARANGE["depth"] == 0:
-        original = _ARANGE["original"] = torch.arange
+    with _ARANGE_LOCK:
+        if _ARANGE["depth"] == 0:
+            original = _ARANGE["original"] = torch.arange
 
-        def arange(*args, **kwargs):
-            out = original(*args, **kwargs)
-            if isinstance(out, Tensor) and out.numel() and not out.is_floating_point() and (
-                    out.is_meta or type(out).__name__ == "FakeTensor"):
-                top = _arange_bounds(args, kwargs, out)
-                if top is not None:
-                    _ARANGED[id(out)] = (weakref.ref(out), top)
-            return out
+            def arange(*args, **kwargs):
+                out = original(*args, **kwargs)
+                if isinstance(out, Tensor) and out.numel() and not out.is_floating_point() \
+                        and (out.is_meta or type(out).__name__ == "FakeTensor"):
+                    top = _arange_bounds(args, kwargs, out)
+                    if top is not None:
+                        _ARANGED[id(out)] = (weakref.ref(out), top)
+                return out
 
-        torch.arange = arange
-    _ARANGE["depth"] += 1
+            torch.arange = arange
+        _ARANGE["depth"] += 1
     try:
         yield
     finally:
-        _ARANGE["depth"] -= 1
-        if _ARANGE["depth"] == 0:
-            torch.arange = _ARANGE["original"]
-            _ARANGED.clear()
+        with _ARANGE_LOCK:
+            _ARANGE["depth"] -= 1
+            if _ARANGE["depth"] == 0:
+                torch.arange = _ARANGE["original"]
+                _ARANGED.clear()
 
 
 def check_rows(module: nn.Embedding, index) -> None:
