@@ -421,8 +421,8 @@ def params(
     json_out: JsonOpt = False,
 ) -> None:
     """Parameters per layer (tied weights counted once), buffers, and training memory."""
-    typed = dict(locals())
-    v = RULES.apply(typed)
+    values = dict(locals())  # the parameters, for a second pass of the table below
+    v = RULES.apply(values)
     prec = (precision or Precision.autocast).value
     if param_count is not None:
         from tfcli.parallel.report import params_parallel, parse_param_count
@@ -439,7 +439,7 @@ def params(
 
     if v.sized_without_length:
         if any(d in ("S", "T", "L") for d in subject.length_dims()):  # it has a sequence
-            RULES.apply(typed, sized_without_length=lambda v: False)  # refused as for text
+            RULES.apply(values, sized_without_length=lambda v: False)  # refused as for text
         else:  # no letter of it is a length: the step at --batch-size and --dim
             seq_len = subject.default_sizes.get("L", 1)  # (set for the letters it lacks)
     from tfcli.inspection import memory as mem
@@ -731,22 +731,21 @@ def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
 
 def _refuse_dims_the_plan_sets(dims: list[str] | None, per_rank: str | None,
                                fit: str | None) -> None:
-    """--dim sets a letter over every other option: a --dim for a letter that the per-rank
-    plan divides over ranks (B over dp, the lengths over cp) or that --fit searches would
-    silently win over the plan's or the search's value."""
+    """--dim sets a letter over every other option: a --dim for a letter that --fit searches
+    or that the per-rank plan divides over ranks (B over dp) would silently win over the
+    search's or the plan's value. (A length is --seq-len's in params: the table refuses it
+    as --dim.)"""
     from tfcli.errors import TfcliError
     from tfcli.subjects.base import parse_dim
 
     for text in dims or []:
         letter = parse_dim(text)[0]
-        length = letter in ("S", "T", "L")
-        if fit == "batch" and letter == "B" or fit == "seq-len" and length:
+        if fit == "batch" and letter == "B" or fit == "seq-len" and letter in ("S", "T", "L"):
             raise TfcliError(f"--dim {text} with --fit {fit}: the search sets {letter}; drop "
                              f"the --dim")
-        if per_rank is not None and (letter == "B" or length):
-            option = "--batch-size" if letter == "B" else "--seq-len"
-            raise TfcliError(f"--dim {text} with {per_rank}: the plan divides {letter} over "
-                             f"the ranks from {option}; give it as {option} (--dim sets the "
+        if per_rank is not None and letter == "B":
+            raise TfcliError(f"--dim {text} with {per_rank}: the plan divides B over the ranks "
+                             f"from --batch-size; give it as --batch-size (--dim sets the "
                              f"model's other dimensions)")
 
 
