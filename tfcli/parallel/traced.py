@@ -515,11 +515,13 @@ class TracedModel:
                    if line.kind != "activations" and line.name != "all-gather buffer")
         moments = {**peak.moments, "backward end": held + estimate.end_peak}
         moment = max(moments, key=moments.__getitem__)
-        how = peak.how.replace(
-            "backward end (every line but the all-gather buffer, one layer's activations left)",
+        formula = ("backward end (every line but the all-gather buffer, one layer's "
+                   "activations left)")
+        assert formula in peak.how, peak.how  # step_peak's words, replaced by what is done here
+        how = peak.how.replace(formula, (
             "backward end (every line but the activations and the all-gather buffer, and what "
             "the replay holds once the units' backward is over: the embeddings' saved tensors, "
-            "the gradients in flight)")
+            "the gradients in flight)"))
         return Peak(moments[moment], moment, moments, how)
 
     @staticmethod
