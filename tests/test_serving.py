@@ -5,6 +5,7 @@ it; the search's answer is replayed, and the answer + 1 replayed not to fit."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,59 @@ def test_fit_confirmed_answer_is_evaluated_and_the_next_does_not_fit(need, low, 
         assert seen[found + 1] is None or seen[found + 1] > 1000
     truth = max(x for x in range(low, high + 1) if need(x) is not None and need(x) <= 1000)
     assert found == truth and len(seen) <= 20
+
+
+VIT = Path(__file__).resolve().parents[1] / "examples" / "vit-tiny"
+
+
+def _real_vit_peak(batch: int) -> int:
+    """MemTracker's peak over a real CPU eval forward of the ViT at ``batch``: the weights and
+    every tensor the forward makes (the input images, made before, are not tracked)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(VIT)
+    model = transformers.ViTForImageClassification(config).eval()
+    pixels = torch.randn(batch, config.num_channels, config.image_size, config.image_size)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, torch.no_grad():
+        model(pixel_values=pixels)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_a_model_without_a_sequence_is_served_by_its_batch(cli):
+    """--inference of a ViT (an image, no token sequence) was refused, asking for the
+    --batch-size it had been given. Nothing is decoded, so nothing is cached: the serving
+    need is the weights and one eval forward, and --fit batch finds the batch a real run's
+    peak crosses; the need there is MemTracker's peak of the real forward to the byte
+    (1,148,328 B at B = 6 when this was written)."""
+    around = 6
+    fits, over = _real_vit_peak(around), _real_vit_peak(around + 1)
+    device = (fits + over) // 2
+    data = _serve(cli, "--model", f"hf:{VIT}", "--fit", "batch", "--device-memory",
+                  f"{device}B")
+    serving, lines = data["serving"], {m["name"]: m for m in data["memory"]}
+    assert serving["fit"]["largest"] == around and serving["seq_len"] is None
+    assert serving["need_bytes"] == fits
+    assert lines["KV cache"]["bytes"] == 0 and "no sequence" in lines["KV cache"]["how"]
+    assert "decode step working set" not in lines and serving["decode_bytes"] == 0
+    text = cli("params", "--model", f"hf:{VIT}", "--inference", "--batch-size", "4", "--depth",
+               "0", "--device-memory", "1GiB")
+    assert text.exit_code == 0, text.stderr
+    out = " ".join(text.stdout.split())
+    assert "forward working set" in out and "serving at B=4 fits" in out and "L=" not in out
+
+
+def test_a_user_module_without_a_sequence_gives_its_inference_lines(cli, tmp_path, monkeypatch):
+    (tmp_path / "mlp.py").write_text(
+        "from torch import nn\n"
+        "build = lambda: nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli("params", "--model", "mlp.py:build", "--input", "input=float32[B,16]",
+                 "--inference", "--batch-size", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    lines = {m["name"]: m["bytes"] for m in json.loads(result.stdout)["memory"]}
+    # the working set above weights and inputs: the first Linear's output (B x 64 fp32) is
+    # alive while ReLU makes its own, then the second Linear's output
+    assert lines["KV cache"] == 0 and lines["forward working set"] == 2 * 4 * 64 * 4

@@ -107,7 +107,7 @@ def _per_rank(v) -> str | None:
 
 JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len)
-             or (v.sized_without_length and not v.inference),
+             or v.sized_without_length,
              "only with --seq-len, or a sequence-free --model's --batch-size",
              "applies to the memory of a step: add --seq-len L (and --batch-size B; a --model "
              "whose inputs have no sequence: --batch-size B alone)")
@@ -277,8 +277,9 @@ RULES = Rules(
         "{option}: the per-rank plan sizes a training step; --inference sizes one device's "
         "weights, KV cache and working sets; drop {it} or --inference")),
     Rule("fit_", SERVING_FIT, Needs(
-        lambda v: not (v.inference and v.fit_ is Fit.batch) or v.seq_len is not None,
-        "with --inference batch: only with --seq-len",
+        lambda v: not (v.inference and v.fit_ is Fit.batch) or v.seq_len is not None
+        or v.sized_without_length,
+        "with --inference batch: only with --seq-len (or a sequence-free --model)",
         "{option} {value} --inference needs --seq-len: the context whose batch is searched")),
     # the search sets what it searches: a value given for it would be silently replaced
     Rule("seq_len", Needs(lambda v: v.fit_ is not Fit.seq_len, "not with --fit seq-len",
@@ -438,7 +439,7 @@ def params(
     from tfcli.errors import TfcliError
 
     if v.sized_without_length:
-        if any(d in ("S", "T", "L") for d in subject.length_dims()):  # it has a sequence
+        if subject.has_sequence():
             RULES.apply(values, sized_without_length=lambda v: False)  # refused as for text
         else:  # no letter of it is a length: the step at --batch-size and --dim
             seq_len = subject.default_sizes.get("L", 1)  # (set for the letters it lacks)

@@ -212,6 +212,20 @@ def _count_frees(live: _LiveStorages, cache) -> int:
     return sum(s.nbytes() for s in storages.values())
 
 
+def sequence_free_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
+                        kernel: str) -> list[MemoryLine]:
+    """Inference of a model whose inputs have no token sequence (a ViT's image, features
+    alone): one forward answers a request, nothing is decoded, so nothing is cached."""
+    forward = estimate_forward_peak(subject, sizes, dtype, kernel)
+    return [MemoryLine("KV cache", 0,
+                       f"none: the model's inputs have no sequence "
+                       f"({subject.why_no_sequence()}); a request is one forward, with no "
+                       f"tokens decoded after it to keep keys and values for"),
+            MemoryLine("forward working set", forward,
+                       f"fake-tensor replay of one eval forward ({_sizes_text(subject, sizes)}),"
+                       f" no grad: the peak above weights and inputs")]
+
+
 def hf_inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
                        kernel: str) -> list[MemoryLine]:
     """KV cache, prefill and decode-step working sets of a Transformers model."""

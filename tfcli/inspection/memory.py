@@ -1180,7 +1180,8 @@ def inference_lines(subject, sizes: dict[str, int], dtype: str, kv_dtype: str,
     if subject.kind != "tfcli":
         from tfcli.inspection import inference
 
-        lines = inference.hf_inference_lines if subject.kind == "hf" else \
+        lines = inference.sequence_free_lines if not subject.has_sequence() else \
+            inference.hf_inference_lines if subject.kind == "hf" else \
             inference.module_inference_lines
         return lines(subject, sizes, dtype, kv_dtype, kernel)
     cfg = subject.cfg

@@ -57,13 +57,17 @@ def measure(subject, static: int, sizes: dict[str, int], dtype: str, kv_dtype: s
     """The inference lines at ``sizes`` and the serving need (``static``: weights and
     buffers)."""
     extra: dict = {}
-    if subject.kind == "hf":
+    if subject.kind == "hf" and subject.has_sequence():
         from tfcli.inspection.inference import hf_serving
 
         lines, extra = hf_serving(subject, sizes, dtype, kv_dtype, kernel)
     else:
         lines = inference_lines(subject, sizes, dtype, kv_dtype, kernel)
     by = {line.name: line.bytes for line in lines}
+    if "forward working set" in by:  # nothing decoded (inputs without a sequence): one moment
+        return Point(batch, length, lines, by["forward working set"],
+                     "one eval forward: the model's inputs have no sequence, nothing is decoded",
+                     0, static + by["forward working set"])
     decode = by["KV cache"] + by["decode step working set"]
     if "prefill" in extra:
         prefill = extra["prefill"]
@@ -80,6 +84,10 @@ def measure(subject, static: int, sizes: dict[str, int], dtype: str, kv_dtype: s
 
 
 def peak_line(point: Point, static: int) -> MemoryLine:
+    if point.decode == 0 and "forward working set" in {line.name for line in point.lines}:
+        return MemoryLine("serving peak", point.need,
+                          f"weights + buffers ({static:,} B) + the forward working set "
+                          f"({point.prefill_how})", summary=True)
     return MemoryLine(
         "serving peak", point.need,
         f"weights + buffers ({static:,} B) + the larger moment, {point.moment}: prefill "
@@ -156,7 +164,7 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
     point = at(batch, seq_len)
     record = {"need_bytes": point.need, "moment": point.moment,
               "prefill_bytes": point.prefill, "decode_bytes": point.decode,
-              "batch_size": batch, "seq_len": seq_len,
+              "batch_size": batch, "seq_len": seq_len if subject.has_sequence() else None,
               "device": budget.record(point.need, "serving peak")}
     notes = []
     if fit_what is not None:
@@ -192,7 +200,8 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
     kept = (f"{human_bytes(dev['usable_bytes'])} usable ({human_bytes(dev['bytes'])} less "
             f"{human_bytes(dev['reserve_bytes'])} kept back: {dev['reserve']})")
     room = dev["headroom_bytes"]
-    notes.append(f"device {dev['name']}: {kept}; serving at B={batch}, L={seq_len} "
+    at = f"B={batch}" + (f", L={seq_len}" if subject.has_sequence() else "")
+    notes.append(f"device {dev['name']}: {kept}; serving at {at} "
                  + (f"fits, {human_bytes(room)} to spare above the serving peak"
                     if dev["fits"] else
                     f"does NOT fit, {human_bytes(-room)} short of the serving peak"))

@@ -66,13 +66,10 @@ def check_context(subject, par: Parallel, seq_len: int | None) -> None:
     the length must divide evenly."""
     if par.cp == 1:
         return
-    lengths = subject.length_dims()
-    if not any(d in ("S", "T", "L") for d in lengths):
-        what = (f"{' and '.join(lengths)} are an image's sides" if lengths else
-                "their sizes are fixed")
+    if not subject.has_sequence():
         raise TfcliError(f"--parallel cp={par.cp}: context parallelism splits the token "
-                         f"sequence, and the model's inputs have no sequence length ({what}); "
-                         f"drop cp")
+                         f"sequence, and the model's inputs have no sequence length "
+                         f"({subject.why_no_sequence()}); drop cp")
     if seq_len and seq_len % par.cp:
         raise TfcliError(f"--seq-len {seq_len} is not divisible by cp={par.cp}")
 
@@ -643,12 +640,10 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     refuse_model_splits(par, tensor=True)
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     check_context(subject, par, seq_len)
-    lengths = subject.length_dims()
-    if fit_what == "seq-len" and not any(d in ("S", "T", "L") for d in lengths):
-        raise TfcliError("--fit seq-len: the model's inputs have no sequence length to search ("
-                         + (f"{' and '.join(lengths)} are an image's sides" if lengths else
-                            "their sizes are fixed")
-                         + ")" + ("; use --fit batch" if "B" in subject.dims_used() else ""))
+    if fit_what == "seq-len" and not subject.has_sequence():
+        raise TfcliError(f"--fit seq-len: the model's inputs have no sequence length to search "
+                         f"({subject.why_no_sequence()})"
+                         + ("; use --fit batch" if "B" in subject.dims_used() else ""))
     if fit_what == "batch" and "B" not in subject.dims_used():
         raise TfcliError("--fit batch: the model's inputs have no batch dimension to search "
                          "(no --input names one: example inputs its callable returns keep "

@@ -352,6 +352,16 @@ class Subject:
         """The letters of B, S, T, L the inputs use, for the legend."""
         return ["B", *self.length_dims()]
 
+    def has_sequence(self) -> bool:
+        """Whether the inputs have a token sequence (S, T or L) that --seq-len sizes."""
+        return any(d in ("S", "T", "L") for d in self.length_dims())
+
+    def why_no_sequence(self) -> str:
+        """What the inputs have instead of a sequence, in words (for has_sequence() False)."""
+        lengths = self.length_dims()
+        return (f"{' and '.join(lengths)} are an image's sides" if lengths
+                else "their sizes are fixed")
+
     def fixed_dims(self) -> dict[str, tuple[int, str]]:
         """Letters the model allows one size for: letter -> (size, why), for --dim."""
         return {}
