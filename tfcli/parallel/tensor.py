@@ -670,7 +670,7 @@ class TensorParallelModel(TracedModel):
                 lambda model: subject.step_inputs(model, dict(sizes), "cpu"), subject.loss,
                 autocast_dtype=DTYPES[mixed] if mixed else None, device=device, kernel=kernel,
                 units=self._units_of, loop=loop)
-        how = (f"fake-tensor replay of forward+backward of one rank's share under tensor "
+        how = ("fake-tensor replay of forward+backward of one rank's share under tensor "
                + ("and sequence " if self.sequence else "")
                + f"parallelism (torch's parallelize_module on a fake world of {t} ranks), "
                f"{_sizes_text(subject, dict(sizes))}, {subject.loss_name()}"
