@@ -1559,7 +1559,7 @@ def test_context_parallelism_needs_a_length_to_split(cli, tmp_path):
                  "--parallel", "dp=2,cp=2")
     assert result.exit_code == 2
     assert ("--parallel cp=2: context parallelism splits the token sequence, and the model's "
-            "inputs have no sequence length (their sizes are fixed)") in result.stderr
+            "inputs have no sequence length (the batch B is their one size)") in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     vit = str(Path(LLAMA_TINY).parent / "vit-tiny")  # lengths, but an image's sides
     image = cli("params", "--model", f"hf:{vit}", "--seq-len", "64", "--parallel", "cp=2")

@@ -626,3 +626,38 @@ def test_params_memory_options_bad_input(cli, args, words):
     result = cli("params", "--preset", "gpt2-small", *args)
     assert result.exit_code == 2 and words in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_a_length_the_model_has_no_use_for_is_said_to_size_nothing(cli, tmp_path, monkeypatch):
+    """--seq-len to a module whose inputs have no sequence still asks for the step (a module
+    whose factory returns example inputs has no other size to ask it by), but it was taken
+    in silence, as if it sized something: the activation line and the per-rank plan say it
+    sizes nothing, and a step sized by --batch-size alone says nothing of it."""
+    (tmp_path / "mlp.py").write_text("from torch import nn\nbuild = lambda: nn.Linear(16, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    model = ["params", "--model", "mlp.py:build", "--input", "input=float32[B,16]",
+             "--batch-size", "4", "--json"]
+    words = "--seq-len 8 sizes nothing: the model's inputs have no sequence (the batch B is"
+    alone = json.loads(cli(*model, "--seq-len", "8").stdout)
+    assert words in alone["activations_method"]
+    ranks = json.loads(cli(*model, "--seq-len", "8", "--parallel", "dp=2").stdout)
+    assert words in ranks["conditions"]["activations"]
+    unsaid = json.loads(cli(*model).stdout)
+    assert "--seq-len" not in unsaid["activations_method"]
+    assert unsaid["bytes"] == alone["bytes"]  # the same step
+
+
+def test_a_length_letter_the_inputs_lack_is_named_as_such_beside_seq_len(cli, tmp_path,
+                                                                         monkeypatch):
+    """--dim T=3 beside --seq-len for inputs that use L alone said "both set T", as if T
+    meant something to the model; it is the --dim of a letter no input has."""
+    (tmp_path / "m.py").write_text("from torch import nn\nbuild = lambda: nn.Linear(16, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    model = ["params", "--model", "m.py:build", "--input", "input=float32[B,L,16]",
+             "--seq-len", "8"]
+    lacking = cli(*model, "--dim", "T=3")
+    assert lacking.exit_code == 2 and lacking.stderr.count("\n") == 1
+    assert "--dim T=3: no input of this model has a dimension T (its inputs use B, L)" in \
+        lacking.stderr
+    twice = cli(*model, "--dim", "L=3")
+    assert "--seq-len 8 and --dim L=3: both set L; give one" in twice.stderr

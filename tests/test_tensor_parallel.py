@@ -594,6 +594,18 @@ def test_tp_bad_input_is_one_line(cli, tp_models, model, extra, message):
         result.stderr
 
 
+def test_a_tp_plan_for_a_module_with_nothing_to_split_says_so(cli, tmp_path, monkeypatch):
+    """A module without a Linear or an Embedding listed "modules it can split:" and nothing."""
+    (tmp_path / "m.py").write_text("from torch import nn\nclass Twice(nn.Module):\n"
+                                   "    def forward(self, x):\n        return 2 * x\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli("params", "--model", "m.py:Twice", "--input", "x=float32[B,L,16]",
+                 "--seq-len", "8", "--parallel", "tp=2", "--tp-plan", "a=colwise")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert ("'a' matches no module; it has no module torch's Colwise/RowwiseParallel split "
+            "(no nn.Linear, no nn.Embedding)") in result.stderr
+
+
 FIXED_LENGTH = """
 import torch
 from torch import nn

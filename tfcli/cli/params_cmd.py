@@ -438,6 +438,12 @@ def params(
                               attn_implementation)  # first: it may speak before torch loads
     from tfcli.errors import TfcliError
 
+    # a --seq-len given to a model whose inputs have no sequence still asks for the step (a
+    # module with example inputs has no other size to ask it by), and sizes nothing: said so
+    unused_length = None
+    if seq_len is not None and not subject.has_sequence() and given("seq_len"):
+        unused_length = (f"--seq-len {seq_len} sizes nothing: the model's inputs have no "
+                         f"sequence ({subject.why_no_sequence()})")
     if v.sized_without_length:
         if subject.has_sequence():
             RULES.apply(values, sized_without_length=lambda v: False)  # refused as for text
@@ -474,7 +480,7 @@ def params(
                          f"back to math); size a GPU run with --device cuda")
     if seq_len is not None and given("batch_size"):
         refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
-    _refuse_lengths_twice(seq_len, dim)
+    _refuse_lengths_twice(subject, seq_len, dim)
     _refuse_dims_the_plan_sets(dim, v.per_rank, fit_.value if fit_ else None)
     if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
@@ -493,7 +499,7 @@ def params(
                                fit_.value if fit_ else None, inference, json_out, subject,
                                lambda b, s: sizes(subject, b, s, s, dim, s), wrap, reserve, rank,
                                loop.value, prec, device=device.value, tp_plan=tp_plan,
-                               optimizer_impl=impl)
+                               optimizer_impl=impl, unused_length=unused_length)
     if build_on is BuildDevice.cpu:  # real weights: estimated on meta first
         guard_build(subject, "params --build-on cpu", max_memory)
     model = subject.build(build_on.value)
@@ -535,6 +541,8 @@ def params(
             memory += served.memory if served else mem.inference_lines(
                 subject, dims, dtype.value, (kv_dtype or dtype).value, kernel)
             how = f"attention kernel: {assumed}, on {device.value}"
+            if unused_length:
+                how += f"; {unused_length}"
             if timeline is not None:
                 from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
 
@@ -558,7 +566,8 @@ def params(
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel, freeze=tuple(freeze or ()),
                                                         loop=loop.value, device=device.value)
-            how += f"; attention kernel: {assumed}, on {device.value}"
+            how += f"; attention kernel: {assumed}, on {device.value}" + (
+                f"; {unused_length}" if unused_length else "")
         else:
             # one replay of the step answers the activation lines and the step's own
             if timeline is not None:
@@ -570,7 +579,8 @@ def params(
                                      loop.value, device.value, activations=True)
             activations = step.activations
             how = (mem.activations_how(subject, dims, mixed, tuple(freeze or ()), loop.value)
-                   + f"; attention kernel: {assumed}, on {device.value}")
+                   + f"; attention kernel: {assumed}, on {device.value}"
+                   + (f"; {unused_length}" if unused_length else ""))
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
         memory = mem.training_memory(report.total_params, report.trainable_params,
@@ -715,9 +725,9 @@ def _rank_drawing(path: Path, subject, parallel: str, dims: dict[str, int], dtyp
     return draw
 
 
-def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
-    """--seq-len sets every length letter (S, T, L): a --dim for one of them would silently
-    win over it."""
+def _refuse_lengths_twice(subject, seq_len: int | None, dims: list[str] | None) -> None:
+    """--seq-len sets every length letter (S, T, L): a --dim for one the inputs use would
+    silently win over it (one they do not use is refused by the sizes, as any such --dim)."""
     from tfcli.errors import TfcliError
     from tfcli.subjects.base import parse_dim
 
@@ -725,7 +735,7 @@ def _refuse_lengths_twice(seq_len: int | None, dims: list[str] | None) -> None:
         return
     for text in dims or []:
         letter = parse_dim(text)[0]
-        if letter in ("S", "T", "L"):
+        if letter in ("S", "T", "L") and letter in subject.dims_used():
             raise TfcliError(f"--seq-len {seq_len} and --dim {text}: both set {letter}; give "
                              f"one")
 

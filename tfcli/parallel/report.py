@@ -267,7 +267,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
                     sizes_at=None, wrap: str | None = None, reserve: str | None = None,
                     timeline=None, loop: str = "loss-only", precision: str = "autocast",
                     param_count: int | None = None, device: str = "cpu",
-                    tp_plan: str | None = None, optimizer_impl: str | None = None) -> None:
+                    tp_plan: str | None = None, optimizer_impl: str | None = None,
+                    unused_length: str | None = None) -> None:
     """``tfcli params --parallel ...`` after its options are parsed: validate, plan, print.
     Without ``cfg`` (a --model), the plan of ``subject`` traced from its built model, at the
     sizes ``sizes_at(batch, seq_len)`` gives, with FSDP units ``wrap`` chooses.
@@ -277,7 +278,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
     states of that many parameters (:func:`stated_states`). ``tp_plan``: --tp-plan's text, a
     --model's tensor-parallel plan (tfcli.parallel.tensor). ``optimizer_impl``: the
     optimizer's implementation, whose step is a moment of the plan (data and context
-    parallelism alone)."""
+    parallelism alone). ``unused_length``: what to say of a --seq-len the model's inputs have
+    no use for (added to the activations' conditions)."""
     if inference:
         raise TfcliError("--parallel sizes training; --inference is for one device")
     from tfcli.inspection.memory import OPTIMIZER_STATES
@@ -302,6 +304,8 @@ def params_parallel(cfg: Config | None, parallel: str | None, batch: int, seq_le
             data["device"] = budget.record(dev["bytes"] - dev["headroom_bytes"],
                                            dev["compared"])
         data["subject"] = subject.describe()
+        if unused_length and data["conditions"].get("activations"):
+            data["conditions"]["activations"] += f"; {unused_length}"
     else:
         data = per_rank(cfg, parallel, batch, seq_len, micro_batches, checkpointing or "none",
                         dtype, mixed, OPTIMIZER_STATES[optimizer], kernel, device_memory,

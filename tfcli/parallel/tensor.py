@@ -200,8 +200,10 @@ def resolve(model, rules: dict[str, str], t: int, origin: str) -> dict[str, str]
                 f"{origin}: {glob!r} " + (f"names a parameter ({param}), not a module: torch's "
                                           f"ParallelStyle splits modules" if param else
                                           f"matches no module{did_you_mean(glob, names)}")
-                + f"; modules it can split: {', '.join(names[:10])}"
-                + (", ..." if len(names) > 10 else ""))
+                + (f"; modules it can split: {', '.join(names[:10])}"
+                   + (", ..." if len(names) > 10 else "") if names else
+                   "; it has no module torch's Colwise/RowwiseParallel split (no nn.Linear, "
+                   "no nn.Embedding): there is nothing to split over tensor-parallel ranks"))
         for path in hits:
             chosen.setdefault(path, (glob, style))
     out = {}

@@ -359,7 +359,9 @@ class Subject:
     def why_no_sequence(self) -> str:
         """What the inputs have instead of a sequence, in words (for has_sequence() False)."""
         lengths = self.length_dims()
-        return (f"{' and '.join(lengths)} are an image's sides" if lengths
+        if lengths:
+            return f"{' and '.join(lengths)} are an image's sides"
+        return ("the batch B is their one size" if "B" in self.dims_used()
                 else "their sizes are fixed")
 
     def fixed_dims(self) -> dict[str, tuple[int, str]]:
