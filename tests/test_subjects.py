@@ -1157,3 +1157,16 @@ def test_the_users_environment_decides_whether_the_hub_is_asked(
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert words in result.stderr
     assert asked == ([("acme/absent", "config.json")] if online else [])
+
+
+def test_an_image_of_another_size_says_the_positions_are_interpolated(cli):
+    """A ViT replayed at --dim H/W other than its image_size is called with
+    interpolate_pos_encoding=True (it refuses the image otherwise): that was done in
+    silence; the activations' line says so, and says nothing at the configuration's size."""
+    vit = str(Path(__file__).resolve().parents[1] / "examples" / "vit-tiny")
+    other = run_json(cli, "params", "--model", f"hf:{vit}", "--batch-size", "2", "--dim",
+                     "H=48", "--dim", "W=40")
+    assert ("images of 48 x 40, not the configuration's image_size 32 x 32: called with "
+            "interpolate_pos_encoding=True") in other["activations_method"]
+    own = run_json(cli, "params", "--model", f"hf:{vit}", "--batch-size", "2")
+    assert "interpolate_pos_encoding" not in own["activations_method"]

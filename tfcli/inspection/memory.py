@@ -1032,7 +1032,7 @@ def activations_how(subject, sizes: dict[str, int], mixed: str | None,
             f"{subject.loss_name()}" + (f", autocast {mixed}" if mixed else "")
             + (f", {', '.join(freeze)} frozen" if freeze else "")
             + f"; {LOOP_WORDS[loop]}"
-            + "".join(f"; {line}" for line in subject.assumptions()))
+            + "".join(f"; {line}" for line in subject.assumptions(sizes)))
 
 
 def estimate_step_peak(subject, sizes: dict[str, int], dtype: str, mixed: str | None,

@@ -274,7 +274,8 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
                               "peak_bytes": peaks[st.index].bytes if peaks else None,
                               "memory": [line.record() for line in lines]}
                for st, total, lines in zip(stages, totals, results)]
-    conditions = {"micro_batch": sizes.get("B") if sizes else None, "sizes": sizes,
+    conditions = {"micro_batch": sizes.get("B") if sizes else None,
+                  "sizes": traced.subject.sizes_used(sizes),
                   "seq_len": None, "seq_len_per_rank": None, "micro_batches": m,
                   "checkpointing": checkpointing, "dtype": dtype, "mixed_precision": mixed,
                   "precision": sb.name, "state_bytes": sb.how, "sharded_over": n,

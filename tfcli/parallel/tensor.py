@@ -677,7 +677,7 @@ class TensorParallelModel(TracedModel):
                + f"parallelism (torch's parallelize_module on a fake world of {t} ranks), "
                f"{_sizes_text(subject, dict(sizes))}, {subject.loss_name()}"
                + (f", autocast {mixed}" if mixed else "") + f"; {LOOP_WORDS[loop]}"
-               + "".join(f"; {line}" for line in subject.assumptions()))
+               + "".join(f"; {line}" for line in subject.assumptions(dict(sizes))))
         return estimate, how
 
     def _state_lines(self, n: int, zero: int, sb, ep: int = 1) -> list[Line]:

@@ -202,7 +202,7 @@ class TracedModel:
                                             optimizer, optimizer_impl)
                 lines.append(line)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
-                      "sizes": sizes, "seq_len": None, "seq_len_per_rank": None,
+                      "sizes": self.subject.sizes_used(sizes), "seq_len": None, "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
                       "mixed_precision": mixed, "precision": sb.name,
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,

@@ -352,6 +352,13 @@ class Subject:
         """The letters of B, S, T, L the inputs use, for the legend."""
         return ["B", *self.length_dims()]
 
+    def sizes_used(self, sizes: dict[str, int] | None) -> dict[str, int] | None:
+        """``sizes`` less the letters no input uses (what a record says it was sized at)."""
+        if sizes is None:
+            return None
+        used = self.dims_used()
+        return {d: n for d, n in sizes.items() if d in used}
+
     def has_sequence(self) -> bool:
         """Whether the inputs have a token sequence (S, T or L) that --seq-len sizes."""
         return any(d in ("S", "T", "L") for d in self.length_dims())
@@ -409,8 +416,9 @@ class Subject:
         """k, where the model's experts do not say it themselves (a configuration does)."""
         return None
 
-    def assumptions(self) -> list[str]:
-        """What a replay on meta or fake tensors had to assume, for the figures' "how"."""
+    def assumptions(self, sizes: dict[str, int] | None = None) -> list[str]:
+        """What a replay on meta or fake tensors (at ``sizes``) had to assume or choose, for
+        the figures' "how"."""
         return []
 
     def count_natively(self) -> None:

@@ -307,11 +307,26 @@ class HFSubject(Subject):
         return next((v for v in (getattr(self.config, key, None) for key in TOP_K_KEYS)
                      if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
 
-    def assumptions(self) -> list[str]:
-        if not self.has_experts:
-            return []
-        return ["mixture of experts: routing assumed uniform, each of E experts gets B·L·k/E "
-                "token slots (the experts' FLOPs and saved activations do not depend on it)"]
+    def assumptions(self, sizes: dict[str, int] | None = None) -> list[str]:
+        out = []
+        if self.has_experts:
+            out.append("mixture of experts: routing assumed uniform, each of E experts gets "
+                       "B·L·k/E token slots (the experts' FLOPs and saved activations do not "
+                       "depend on it)")
+        if sizes and self._interpolates(sizes):
+            h, w = self._image_size()
+            out.append(f"images of {sizes['H']} x {sizes['W']}, not the configuration's "
+                       f"image_size {h} x {w}: called with interpolate_pos_encoding=True, its "
+                       f"position embeddings interpolated to the new grid of patches")
+        return out
+
+    def _interpolates(self, sizes: dict[str, int]) -> bool:
+        """Whether an image input at ``sizes`` is another size than the configuration's, so
+        that the model is called with interpolate_pos_encoding=True."""
+        return ("H" in self.length_dims() and "H" in sizes and "W" in sizes
+                and "interpolate_pos_encoding" in inspect.signature(
+                    self.model_class.forward).parameters
+                and (sizes["H"], sizes["W"]) != self._image_size())
 
     # --- inputs, by what the model takes -------------------------------------------------------
     # A Transformers model class names its main input (``main_input_name``): token ids, an
