@@ -673,6 +673,14 @@ def test_params_fit_batch_is_the_largest_that_fits(cli):
     assert best and data["conditions"]["micro_batch"] == best and data["device"]["fits"]
     over = json.loads(cli(*args, "--batch-size", str(best + 1)).stdout)
     assert not over["device"]["fits"]
+    # the search says what it planned: the answer's need and the next batch's, as planned alone
+    tried = {r["at"]: r["need_bytes"] for r in data["fit"]["replays"]}
+    usable = data["device"]["usable_bytes"]
+    assert tried[best] == data["peak"]["bytes"] <= usable < tried[best + 1]
+    assert tried[best + 1] == over["peak"]["bytes"]
+    text = " ".join(cli(*args[:-1], "--fit", "batch").stdout.split())
+    assert (f"largest batch that fits: {best}; it needs ") in text
+    assert f"batch {best + 1} needs " in text and "usable" in text
 
 
 def test_device_names_are_read_as_the_boards_are_and_a_reserve_is_kept_back(cli):
@@ -1786,6 +1794,9 @@ def test_a_model_without_a_sequence_is_sized_by_its_batch(cli):
     assert fit.exit_code == 0, fit.stderr
     data = json.loads(fit.stdout)
     assert data["fit"]["largest"] > 1 and data["conditions"]["seq_len"] is None
+    tried = {r["at"]: r["need_bytes"] for r in data["fit"]["replays"]}  # the search's plans
+    best = data["fit"]["largest"]
+    assert tried[best] <= data["device"]["usable_bytes"] < tried[best + 1]
     text = cli("params", "--model", f"hf:{LLAMA_TINY}", "--batch-size", "4")
     assert text.exit_code == 2 and "--batch-size sizes the activation lines, which need a " \
         "length: add --seq-len L" in text.stderr

@@ -28,10 +28,14 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
     capacity = budget.usable if budget else None
     limit = cfg.max_seq_len if cfg.positional != "none" else 1 << 20
 
+    needs: dict[int, int] = {}  # what each batch or length the search tried needs
+
     def at(b: int, s: int | None):
-        return plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
-                    optimizer_states, precision, kernel=kernel, loop=loop, device=device,
-                    optimizer=optimizer, optimizer_impl=optimizer_impl)
+        result = plan(cfg, par, b, s, micro_batches, checkpointing, dtype, mixed,
+                      optimizer_states, precision, kernel=kernel, loop=loop, device=device,
+                      optimizer=optimizer, optimizer_impl=optimizer_impl)
+        needs[b if fit_what == "batch" else s] = result.need
+        return result
 
     found = bound = None
     step = searched_in = 1
@@ -62,6 +66,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                        "at_bound": found == bound,
                        "below_step": fit_what == "seq-len" and searched_in < step,
                        "smallest": 1 if fit_what == "batch" else searched_in,  # tried
+                       "replays": fit_replays(needs),
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the plan's limit for a model without positions"
                                     if cfg.positional == "none" else
@@ -72,6 +77,11 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                                    + (steps_words(step, par.cp) if fit_what == "seq-len"
                                       else "")}
     return data
+
+
+def fit_replays(needs: dict[int, int]) -> list[dict]:
+    """Every batch or length a --fit search planned, with what the plan needs there."""
+    return [{"at": x, "need_bytes": need} for x, need in sorted(needs.items())]
 
 
 def steps_words(step: int, unit: int) -> str:
@@ -233,7 +243,16 @@ def render(data: dict, console) -> None:
         fit_ = data["fit"]
         what, step = fit_["what"], fit_["step"]
         if fit_["largest"]:
-            notes.append(f"largest {what} that fits: {fit_['largest']:,}"
+            largest = fit_["largest"]
+            tried = {r["at"]: r["need_bytes"] for r in fit_.get("replays", ())}
+            nxt = min((x for x in tried if x > largest), default=None)
+            needs = ""
+            if largest in tried:
+                needs = f"; it needs {human_bytes(tried[largest])}"
+                if nxt is not None and "device" in data and not fit_.get("model_refused"):
+                    needs += (f", {what} {nxt:,} needs {human_bytes(tried[nxt])}, above the "
+                              f"{human_bytes(data['device']['usable_bytes'])} usable")
+            notes.append(f"largest {what} that fits: {largest:,}"
                          + (f" (below one step of {step}: lengths searched below it too)"
                             if fit_.get("below_step") else
                             f" (lengths in steps of {step})" if step > 1 else "")
@@ -242,7 +261,7 @@ def render(data: dict, console) -> None:
                             f"({fit_['model_refused']['why']}), so memory did not decide it"
                             if fit_.get("model_refused") else
                             f"; that is {fit_['bound_is']}, so more may fit"
-                            if fit_["at_bound"] else ""))
+                            if fit_["at_bound"] else "") + needs)
         else:
             smallest = fit_.get("smallest", step)
             notes.append(f"nothing fits: even {what} = {smallest} exceeds the device; the "

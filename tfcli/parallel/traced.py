@@ -634,7 +634,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     text (tfcli.parallel.tensor)."""
     from tfcli.parallel.fit import fit, fit_length, parse_device_memory
     from tfcli.parallel.layout import parse_parallel
-    from tfcli.parallel.report import FIT, steps_words, check_request
+    from tfcli.parallel.report import FIT, check_request, fit_replays, steps_words
 
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     refuse_model_splits(par, tensor=True)
@@ -671,10 +671,14 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     whole_fails = functools.lru_cache(maxsize=None)(
         lambda s: runs_whole(subject, sizes_at(1, s)) if par.cp > 1 else None)
 
+    needs: dict[int, int] = {}  # what each batch or length the search tried needs
+
     def at(b: int, s: int | None) -> Plan:  # a context-parallel rank runs s / cp positions
-        return traced.plan(par, sizes_at(b, s // par.cp) if s is not None else None,
-                           checkpointing, dtype, mixed, optimizer_states, kernel, loop,
-                           precision, device, micro_batches, optimizer, optimizer_impl)
+        result = traced.plan(par, sizes_at(b, s // par.cp) if s is not None else None,
+                             checkpointing, dtype, mixed, optimizer_states, kernel, loop,
+                             precision, device, micro_batches, optimizer, optimizer_impl)
+        needs[b if fit_what == "batch" else s] = result.need
+        return result
 
     found = bound = refused_at = None
     step = searched_in = 1
@@ -757,6 +761,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                        # the next length, refused by the model itself (None: memory decided)
                        "model_refused": (None if refused_at is None else
                                          {"seq_len": refused_at, "why": refused[refused_at]}),
+                       "replays": fit_replays(needs),
                        "bound_is": ("the largest batch searched" if fit_what == "batch" else
                                     "the configuration's max_position_embeddings"
                                     + (f" ({limit:,}) rounded down to a multiple of {step}"
