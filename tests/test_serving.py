@@ -232,3 +232,33 @@ def test_a_user_module_without_a_sequence_gives_its_inference_lines(cli, tmp_pat
     # the working set above weights and inputs: the first Linear's output (B x 64 fp32) is
     # alive while ReLU makes its own, then the second Linear's output
     assert lines["KV cache"] == 0 and lines["forward working set"] == 2 * 4 * 64 * 4
+
+
+def test_what_a_sequence_free_model_cannot_be_served_by_is_refused(cli, tmp_path, monkeypatch):
+    """A serving search for a size the inputs lack made up an answer (a ViT's context: the
+    largest length searched, every replay the same; a factory's fixed example inputs: a
+    batch of 65,536); --kv-dtype for a model that caches nothing was ignored. Each is refused
+    in one line, as the training plan refuses them; an image of another size says its
+    positions were interpolated under --inference too."""
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n"
+                                   "def example():\n"
+                                   "    return nn.Linear(16, 4), (torch.randn(2, 16),)\n")
+    monkeypatch.chdir(tmp_path)
+    vit = ["params", "--model", f"hf:{VIT}", "--inference"]
+    for args, words in [
+            ((*vit, "--fit", "seq-len", "--device-memory", "1GiB"),
+             "--fit seq-len: the model's inputs have no sequence length to search (H and W "
+             "are an image's sides); use --fit batch"),
+            (("params", "--model", "m.py:example", "--inference", "--fit", "batch",
+              "--device-memory", "100KB"),
+             "--fit batch: the model's inputs have no batch dimension to search"),
+            ((*vit, "--batch-size", "2", "--kv-dtype", "int8"),
+             "--kv-dtype int8: the model's inputs have no sequence (H and W are an image's "
+             "sides), so nothing is decoded and no KV cache kept")]:
+        result = cli(*args)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert words in result.stderr
+    data = _serve(cli, "--model", f"hf:{VIT}", "--batch-size", "2", "--dim", "H=48", "--dim",
+                  "W=40", "--device-memory", "1GiB")
+    assert "called with interpolate_pos_encoding=True" in data["activations_method"]
+    assert data["serving"]["moment"] == "forward"

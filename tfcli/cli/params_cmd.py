@@ -110,7 +110,8 @@ STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.s
              or v.sized_without_length,
              "only with --seq-len, or a sequence-free --model's --batch-size",
              "applies to the memory of a step: add --seq-len L (and --batch-size B; a --model "
-             "whose inputs have no sequence: --batch-size B alone)")
+             "whose inputs have no sequence: --batch-size B alone; one whose factory returns "
+             "example inputs, which keep their sizes: --seq-len, which then sizes nothing)")
 # what a step's replay follows; --fit seq-len replays steps too, at the lengths it tries
 # (a --model whose inputs have no sequence, a ViT's, is sized by --batch-size and --dim)
 ONLY_SIZED = "only with --seq-len or --fit seq-len, or a sequence-free --model's --batch-size"
@@ -441,6 +442,10 @@ def params(
     # a --seq-len given to a model whose inputs have no sequence still asks for the step (a
     # module with example inputs has no other size to ask it by), and sizes nothing: said so
     unused_length = None
+    if kv_dtype is not None and not subject.has_sequence():
+        raise TfcliError(f"--kv-dtype {kv_dtype.value}: the model's inputs have no sequence "
+                         f"({subject.why_no_sequence()}), so nothing is decoded and no KV "
+                         f"cache kept; drop it")
     if seq_len is not None and not subject.has_sequence() and given("seq_len"):
         unused_length = (f"--seq-len {seq_len} sizes nothing: the model's inputs have no "
                          f"sequence ({subject.why_no_sequence()})")
@@ -463,8 +468,10 @@ def params(
         raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
                          f"{max_seq_len_hint(seq_len)}")
     if seq_len is not None and dtype is DType.int8 and not mixed:
-        raise TfcliError("--seq-len with --dtype int8: activations need a floating dtype "
-                         "(int8 is counted for weights only)")
+        asked = "--seq-len" if given("seq_len") else "--fit" if fit_ else \
+            "--batch-size" if given("batch_size") else "--dim"
+        raise TfcliError(f"{asked} with --dtype int8: activations need a floating dtype "
+                         f"(int8 is counted for weights only)")
     impl, impl_why = optimizer_impl.value, ""
     if impl == "auto":
         impl = mem.default_optimizer_impl(device.value)
@@ -540,9 +547,9 @@ def params(
                                          dtype.value, optimizer.value, None, None)[:2]
             memory += served.memory if served else mem.inference_lines(
                 subject, dims, dtype.value, (kv_dtype or dtype).value, kernel)
-            how = f"attention kernel: {assumed}, on {device.value}"
-            if unused_length:
-                how += f"; {unused_length}"
+            how = "; ".join([*subject.assumptions(dims),
+                             f"attention kernel: {assumed}, on {device.value}",
+                             *([unused_length] if unused_length else [])])
             if timeline is not None:
                 from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
 

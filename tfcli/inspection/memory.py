@@ -988,9 +988,12 @@ def _replay_args(subject, sizes: dict[str, int], dtype: str, freeze: tuple[str, 
 
 
 def _sizes_text(subject, sizes: dict[str, int]) -> str:
-    lengths = ", ".join(f"{d}={sizes[d]}" for d in subject.dims_used()
-                        if d != "B" and d in sizes)
-    return f"B={sizes['B']}" + (f", {lengths}" if lengths else "")
+    """The sizes a replay ran at, as the inputs use them (B first)."""
+    used = subject.dims_used()
+    letters = (["B"] if "B" in used else []) + [d for d in used if d != "B" and d in sizes]
+    if not letters:  # example inputs the model's factory returned: their own sizes
+        return "the example inputs' own sizes"
+    return ", ".join(f"{d}={sizes[d]}" for d in letters)
 
 
 def estimate_activations(subject, sizes: dict[str, int], dtype: str = "fp32",

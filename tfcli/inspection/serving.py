@@ -49,6 +49,8 @@ class Point:
 
     @property
     def moment(self) -> str:
+        if self.decode == 0 and any(line.name == "forward working set" for line in self.lines):
+            return "forward"  # nothing decoded: one forward is the request
         return "prefill" if self.prefill >= self.decode else "decode"
 
 
@@ -138,14 +140,12 @@ def serve(subject, static: int, budget: Budget, fit_what: str | None, batch: int
     found = seen = None
     bound, bound_is = None, None
     failed: dict[int, str] = {}
+    subject.refuse_search(fit_what)
     if fit_what == "batch":
         bound, bound_is = BATCH_BOUND, "the largest batch searched"
         found, seen = fit_confirmed(lambda b: at(b, seq_len).need, usable, 1, bound, 2)
         batch = found or 1
     elif fit_what == "seq-len":
-        if not subject.length_dims():
-            raise TfcliError("--fit seq-len: the model's inputs have no length to search "
-                             "(their sizes are fixed); use --fit batch")
         bound, bound_is = length_bound(subject)
         if bound < 2:
             raise TfcliError(f"--fit seq-len: {bound_is} is {bound}; --inference needs at "

@@ -222,7 +222,10 @@ def resolve(model, rules: dict[str, str], t: int, origin: str) -> dict[str, str]
         else:
             raise TfcliError(f"{origin}: {glob}={style} matches {path}, a {kind}: torch's "
                              f"ColwiseParallel and RowwiseParallel split nn.Linear and "
-                             f"nn.Embedding only; narrow the glob to those modules")
+                             f"nn.Embedding only; "
+                             + ("narrow the glob to those modules" if _splittable(model) else
+                                "the model has neither: there is nothing to split over "
+                                "tensor-parallel ranks"))
         if size % t:
             raise TfcliError(f"--parallel tp={t}: {path} ({kind}, {style}) has {name}={size}, "
                              f"not divisible by {t}; tensor parallelism splits it evenly, so "

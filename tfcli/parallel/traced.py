@@ -640,14 +640,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     refuse_model_splits(par, tensor=True)
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)
     check_context(subject, par, seq_len)
-    if fit_what == "seq-len" and not subject.has_sequence():
-        raise TfcliError(f"--fit seq-len: the model's inputs have no sequence length to search "
-                         f"({subject.why_no_sequence()})"
-                         + ("; use --fit batch" if "B" in subject.dims_used() else ""))
-    if fit_what == "batch" and "B" not in subject.dims_used():
-        raise TfcliError("--fit batch: the model's inputs have no batch dimension to search "
-                         "(no --input names one: example inputs its callable returns keep "
-                         "their sizes); describe them, e.g. --input NAME=DTYPE[B,L,...]")
+    subject.refuse_search(fit_what)
     capacity, board = parse_device_memory(device_memory) if device_memory else (None, None)
     if par.tp > 1:
         from tfcli.parallel.tensor import TensorParallelModel, sequence_parallel_asked

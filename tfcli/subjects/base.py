@@ -359,6 +359,18 @@ class Subject:
         used = self.dims_used()
         return {d: n for d, n in sizes.items() if d in used}
 
+    def refuse_search(self, fit_what: str | None) -> None:
+        """Refuse a --fit search for a size the inputs do not have."""
+        if fit_what == "seq-len" and not self.has_sequence():
+            raise TfcliError(f"--fit seq-len: the model's inputs have no sequence length to "
+                             f"search ({self.why_no_sequence()})"
+                             + ("; use --fit batch" if "B" in self.dims_used() else ""))
+        if fit_what == "batch" and "B" not in self.dims_used():
+            raise TfcliError("--fit batch: the model's inputs have no batch dimension to "
+                             "search (no --input names one: example inputs its callable "
+                             "returns keep their sizes); describe them, e.g. --input "
+                             "NAME=DTYPE[B,L,...]")
+
     def has_sequence(self) -> bool:
         """Whether the inputs have a token sequence (S, T or L) that --seq-len sizes."""
         return any(d in ("S", "T", "L") for d in self.length_dims())
