@@ -356,7 +356,9 @@ def params(
     inference: Annotated[bool, typer.Option(
         "--inference", help="Inference memory instead of training: weights, KV cache, and "
                             "the working sets of a prefill of --seq-len tokens and of one "
-                            "decode step (for --model: the KV cache measured).")] = False,
+                            "decode step (for --model: the KV cache measured; a --model "
+                            "whose inputs have no sequence: one eval forward at "
+                            "--batch-size, nothing cached).")] = False,
     kv_dtype: Annotated[Optional[DType], typer.Option(
         show_default=False, help="KV cache dtype with --inference (default: --dtype).")] = None,
     build_on: Annotated[BuildDevice, typer.Option(
@@ -405,7 +407,8 @@ def params(
         "--timeline", metavar="FILE", show_default=False,
         help="Draw the replayed training step's memory over time, by category, with its "
              "phases and what is alive at the peak: FILE.png (the 'plot' extra), .html "
-             "(self-contained) or .json (torch.cuda.memory._snapshot() format).")] = None,
+             "(self-contained) or .json (torch.cuda.memory._snapshot() format); with "
+             "--inference, tfcli's own model's prefill and decode steps.")] = None,
     precision: Annotated[Optional[Precision], typer.Option(
         show_default=False,
         help="How weights, gradients, master weights and optimizer moments are kept, and the "
