@@ -262,3 +262,4 @@ def test_what_a_sequence_free_model_cannot_be_served_by_is_refused(cli, tmp_path
                   "W=40", "--device-memory", "1GiB")
     assert "called with interpolate_pos_encoding=True" in data["activations_method"]
     assert data["serving"]["moment"] == "forward"
+    assert data["optimizer"] is None and data["precision"] is None  # nothing trained

@@ -620,8 +620,9 @@ def params(
                     bytes={m.name: m.bytes for m in memory},
                     memory=[m.record() for m in memory],
                     activations_method=how or None,
-                    dtype=dtype.value, optimizer=optimizer.value, mixed_precision=mixed,
-                    precision=prec,  # one device: always autocast's (the others are per rank)
+                    dtype=dtype.value,  # no optimizer and no training precision to serve
+                    optimizer=None if inference else optimizer.value, mixed_precision=mixed,
+                    precision=None if inference else prec,  # one device: autocast's
                     optimizer_impl=impl if activations is not None else None,
                     loop=loop.value if activations is not None else None,
                     subject=subject.describe())
