@@ -1905,3 +1905,64 @@ def test_one_replicated_rank_peaks_as_one_device_does(cli, subject):
                   if line["name"] == "peak of a training step")
     plan = json.loads(cli(*args, "--device-memory", "1GiB").stdout)
     assert plan["peak"]["bytes"] == single, plan["peak"]["moments"]
+
+
+def test_zero_without_data_parallel_ranks_is_refused(cli):
+    """zero=1 or 2 with one data-parallel rank gave zero=0's plan labelled ZeRO (a sweep
+    found it); refused in one line. ZeRO-3 on one rank stays: FSDP2 runs there, buffers too."""
+    for spec, what in [("zero=1", "ZeRO-1 shards the optimizer state over"),
+                       ("pp=2,zero=2", "ZeRO-2 shards the optimizer state and gradients")]:
+        result = cli("params", "--model", f"hf:{LLAMA_TINY}", "--parallel", spec,
+                     "--seq-len", "16", "--batch-size", "2")
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert what in result.stderr and "add dp=N, or drop zero" in result.stderr
+    assert cli("params", "-p", "tiny", "--parallel", "zero=3").exit_code == 0
+
+
+FROZEN_IN_A_BLOCK = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        q, k, v = (f(x).unflatten(-1, (2, 16)).transpose(1, 2) for f in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        return x + self.down(F.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, frozen=0):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks[frozen].q.weight.requires_grad_(False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+"""
+
+
+def test_a_frozen_weight_in_one_unit_leaves_the_others_gradients(cli, tmp_path):
+    """The reduce-scatter buffer holds a unit's gradients: it took the unit with the most
+    parameters less its frozen ones (the first, where the frozen weight was) instead of the
+    unit with the most gradients, so the line depended on which block held the frozen weight."""
+    (tmp_path / "net.py").write_text(FROZEN_IN_A_BLOCK)
+    buffers = []
+    for frozen in (0, 2):
+        data = json.loads(cli("params", "--model", f"{tmp_path}/net.py:Net", "--model-arg",
+                              f"frozen={frozen}", "--input", "ids=int64[B,L]<50", "--parallel",
+                              "dp=2,zero=3", "--seq-len", "16", "--batch-size", "2",
+                              "--json").stdout)
+        buffers.append({m["name"]: m["bytes"] for m in data["memory"]}["reduce-scatter buffer"])
+    block = 4 * (32 * 32 + 32) + (32 * 64 + 64) + (64 * 32 + 32)  # parameters of one block
+    assert buffers == [block * 4, block * 4]  # an unfrozen block's gradients, fp32

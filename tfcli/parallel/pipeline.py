@@ -258,10 +258,10 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
         if estimate is not None:
             act, kept = _activation_lines(st, estimate, pp, m, checkpointing, sb)
             lines += act
-            largest = st.units.largest
+            trained = st.units.most_trained  # a unit's gradients: frozen weights not
             unit = (st.largest_module if sb.name == "deepspeed"
-                    else largest.trainable if largest else 0)
-            shard = shard_numel(largest.trainable_shapes, n) if largest else 0
+                    else trained.trainable if trained else 0)
+            shard = shard_numel(trained.trainable_shapes, n) if trained else 0
             peaks.append(_stage_peak(lines, kept, in_flight(pp, st.index, m), m,
                                      unit * sb.unit_grads if zero == 3 else 0,
                                      shard * sb.grads if zero == 3 else 0))

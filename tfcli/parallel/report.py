@@ -150,6 +150,11 @@ def check_request(par: Parallel, fit_what: str | None, device_memory: str | None
                          f"pipeline stages; add pp=P to --parallel (with pp=1 one is in flight)")
     if dtype == "int8" and not mixed:
         raise TfcliError("--parallel with --dtype int8: training needs a floating dtype")
+    if par.zero in (1, 2) and par.shard == 1:  # the plan would be zero=0's, said to be ZeRO
+        what = "optimizer state" if par.zero == 1 else "optimizer state and gradients"
+        raise TfcliError(f"--parallel zero={par.zero}: ZeRO-{par.zero} shards the {what} over "
+                         f"the data-parallel ranks, and there is one (dp=1); add dp=N, or "
+                         f"drop zero")
 
 
 def render(data: dict, console) -> None:

@@ -314,6 +314,7 @@ class TracedModel:
                             f"from forward to backward) + the largest layer unit ({unit:,}) × "
                             f"{g} B; units: {units.how}", "communication", sb.name))
         if zero == 3 and n > 1 and largest:
+            trained = units.most_trained.trainable  # a unit's gradients: frozen weights not
             # the root's buffers: its rows padded to a multiple of N, as FSDP2 pads them
             root = shard_numel(units.root.shapes, n) * n
             grads = shard_numel(units.root.trainable_shapes, n) * n
@@ -326,11 +327,11 @@ class TracedModel:
                         f"{g} B, kept until the next all-gather is copied out (the peak's "
                         f"root's all-gather moment)" if root > unit else ""),
                      "communication", sb.name),
-                Line("reduce-scatter buffer", max(largest.trainable, grads) * sb.reduced,
+                Line("reduce-scatter buffer", max(trained, grads) * sb.reduced,
                      f"{tag} the largest copy of a unit's gradients to be reduced: "
                      + (f"the root's, when its backward is over, {grads:,} × {sb.reduced} B "
-                        f"(a layer unit's: {largest.trainable:,})" if grads > largest.trainable
-                        else f"a layer unit's, {largest.trainable:,} × {sb.reduced} B")
+                        f"(a layer unit's: {trained:,})" if grads > trained
+                        else f"a layer unit's, {trained:,} × {sb.reduced} B")
                      + mixed, "communication", sb.name),
                 Line("unsharded root gradients", units.root.trainable * sb.unit_grads,
                      f"{tag} the root unit's gradients, {units.root.trainable:,} × "
@@ -457,7 +458,7 @@ class TracedModel:
                 grows = max(grows - others * sb.unit_grads, 0)
             # a layer unit's reduce-scatter copy, in flight while the next unit runs (made on
             # one rank too: FSDP2 copies the gradients out whatever the world)
-            reduce = largest.trainable * sb.reduced
+            reduce = units.most_trained.trainable * sb.reduced
             held = states + gathered + layers + extra + carried + late
             moments["first unit's backward"] = held + grows
             count = len(units.groups)

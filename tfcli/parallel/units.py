@@ -32,7 +32,14 @@ class Units:
 
     @property
     def largest(self) -> Group | None:
+        """The unit with the most parameters (what a gathered unit holds)."""
         return max(self.groups, key=lambda g: g.numel, default=None)
+
+    @property
+    def most_trained(self) -> Group | None:
+        """The unit with the most trainable parameters (what a unit's gradients hold): not the
+        largest where a frozen weight sits in it."""
+        return max(self.groups, key=lambda g: g.trainable, default=None)
 
 
 def _unique_numel(module, seen: set[int] | None = None) -> int:
