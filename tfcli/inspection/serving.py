@@ -48,9 +48,15 @@ class Point:
     layers: list[tuple[str, int]] = field(default_factory=list)  # hf: positions per layer
 
     @property
+    def forward_only(self) -> bool:
+        """A model whose inputs have no sequence: one forward is the request, nothing is
+        decoded (tfcli.inspection.inference.sequence_free_lines)."""
+        return any(line.name == "forward working set" for line in self.lines)
+
+    @property
     def moment(self) -> str:
-        if self.decode == 0 and any(line.name == "forward working set" for line in self.lines):
-            return "forward"  # nothing decoded: one forward is the request
+        if self.forward_only:
+            return "forward"
         return "prefill" if self.prefill >= self.decode else "decode"
 
 
@@ -66,7 +72,7 @@ def measure(subject, static: int, sizes: dict[str, int], dtype: str, kv_dtype: s
     else:
         lines = inference_lines(subject, sizes, dtype, kv_dtype, kernel)
     by = {line.name: line.bytes for line in lines}
-    if "forward working set" in by:  # nothing decoded (inputs without a sequence): one moment
+    if "forward working set" in by:  # one moment: see Point.forward_only
         return Point(batch, length, lines, by["forward working set"],
                      "one eval forward: the model's inputs have no sequence, nothing is decoded",
                      0, static + by["forward working set"])
@@ -86,7 +92,7 @@ def measure(subject, static: int, sizes: dict[str, int], dtype: str, kv_dtype: s
 
 
 def peak_line(point: Point, static: int) -> MemoryLine:
-    if point.decode == 0 and "forward working set" in {line.name for line in point.lines}:
+    if point.forward_only:
         return MemoryLine("serving peak", point.need,
                           f"weights + buffers ({static:,} B) + the forward working set "
                           f"({point.prefill_how})", summary=True)
