@@ -442,13 +442,13 @@ def params(
                               attn_implementation)  # first: it may speak before torch loads
     from tfcli.errors import TfcliError
 
-    # a --seq-len given to a model whose inputs have no sequence still asks for the step (a
-    # module with example inputs has no other size to ask it by), and sizes nothing: said so
-    unused_length = None
     if kv_dtype is not None and not subject.has_sequence():
         raise TfcliError(f"--kv-dtype {kv_dtype.value}: the model's inputs have no sequence "
                          f"({subject.why_no_sequence()}), so nothing is decoded and no KV "
                          f"cache kept; drop it")
+    # a --seq-len given to a model whose inputs have no sequence still asks for the step (a
+    # module with example inputs has no other size to ask it by), and sizes nothing: said so
+    unused_length = None
     if seq_len is not None and not subject.has_sequence() and given("seq_len"):
         unused_length = (f"--seq-len {seq_len} sizes nothing: the model's inputs have no "
                          f"sequence ({subject.why_no_sequence()})")
@@ -551,8 +551,7 @@ def params(
             memory += served.memory if served else mem.inference_lines(
                 subject, dims, dtype.value, (kv_dtype or dtype).value, kernel)
             how = "; ".join([*subject.assumptions(dims),
-                             f"attention kernel: {assumed}, on {device.value}",
-                             *([unused_length] if unused_length else [])])
+                             f"attention kernel: {assumed}, on {device.value}"])
             if timeline is not None:
                 from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
 
@@ -576,8 +575,7 @@ def params(
             activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
                                                         kernel, freeze=tuple(freeze or ()),
                                                         loop=loop.value, device=device.value)
-            how += f"; attention kernel: {assumed}, on {device.value}" + (
-                f"; {unused_length}" if unused_length else "")
+            how += f"; attention kernel: {assumed}, on {device.value}"
         else:
             # one replay of the step answers the activation lines and the step's own
             if timeline is not None:
@@ -589,8 +587,9 @@ def params(
                                      loop.value, device.value, activations=True)
             activations = step.activations
             how = (mem.activations_how(subject, dims, mixed, tuple(freeze or ()), loop.value)
-                   + f"; attention kernel: {assumed}, on {device.value}"
-                   + (f"; {unused_length}" if unused_length else ""))
+                   + f"; attention kernel: {assumed}, on {device.value}")
+        if unused_length:
+            how += f"; {unused_length}"
         report.reused_calls = _reused_calls(subject, dims)
     if not inference:
         memory = mem.training_memory(report.total_params, report.trainable_params,

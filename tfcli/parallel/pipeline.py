@@ -258,7 +258,7 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
         if estimate is not None:
             act, kept = _activation_lines(st, estimate, pp, m, checkpointing, sb)
             lines += act
-            trained = st.units.most_trained  # a unit's gradients: frozen weights not
+            trained = st.units.most_trained  # a unit's gradients (frozen weights: none)
             unit = (st.largest_module if sb.name == "deepspeed"
                     else trained.trainable if trained else 0)
             shard = shard_numel(trained.trainable_shapes, n) if trained else 0

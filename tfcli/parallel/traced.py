@@ -202,7 +202,8 @@ class TracedModel:
                                             optimizer, optimizer_impl)
                 lines.append(line)
         conditions = {"micro_batch": sizes.get("B") if sizes else None,
-                      "sizes": self.subject.sizes_used(sizes), "seq_len": None, "seq_len_per_rank": None,
+                      "sizes": self.subject.sizes_used(sizes), "seq_len": None,
+                      "seq_len_per_rank": None,
                       "micro_batches": 1, "checkpointing": checkpointing, "dtype": dtype,
                       "mixed_precision": mixed, "precision": sb.name,
                       "state_bytes": sb.how, "sharded_over": n, "attention_kernel": kernel,
@@ -314,7 +315,7 @@ class TracedModel:
                             f"from forward to backward) + the largest layer unit ({unit:,}) × "
                             f"{g} B; units: {units.how}", "communication", sb.name))
         if zero == 3 and n > 1 and largest:
-            trained = units.most_trained.trainable  # a unit's gradients: frozen weights not
+            trained = units.most_trained.trainable  # a unit's gradients (frozen: none)
             # the root's buffers: its rows padded to a multiple of N, as FSDP2 pads them
             root = shard_numel(units.root.shapes, n) * n
             grads = shard_numel(units.root.trainable_shapes, n) * n
