@@ -164,12 +164,15 @@ def stage_peaks(rank: int, world: int, cases: list[list]) -> list[dict]:
 
 
 def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
-               micro_batches: int) -> dict:
+               micro_batches: int, checkpointing: str = "none") -> dict:
     """This rank's stage of the step of ``model`` ("user": MODULE; else a Transformers
     config.json's folder), ``batch`` the whole batch, split into ``micro_batches`` by the
-    schedule: the peak of torch's memory timeline over the step and the bytes by torch's
-    category there."""
+    schedule, each of the stage's blocks under torch's activation checkpointing
+    (torch.distributed._composable.checkpoint, non-reentrant) with ``checkpointing`` "full":
+    the peak of torch's memory timeline over the step and the bytes by torch's category
+    there."""
     import torch
+    from torch.distributed._composable import checkpoint
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
@@ -179,6 +182,9 @@ def stage_peak(rank: int, world: int, model: str, batch: int, length: int,
     torch.manual_seed(0)
     module, loss, vocab = (_user_stage(rank, world, model == "encdec")
                            if model in ("user", "encdec") else _hf_stage(rank, world, model))
+    if checkpointing == "full":
+        for block in (module.blocks if model in ("user", "encdec") else module.lm.model.layers):
+            checkpoint(block)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)

@@ -392,7 +392,10 @@ def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas):
 # stage holds every micro-batch before its first backward; at M = 4 > P gradients accumulate
 # beside the most activations on every stage (measured too, and left out for the suite's
 # time: the user's module at M = 5, -0.5 % to +1.0 %)
-RANK_CASES = [("user", 6, 32, 3), ("llama", 8, 32, 4), ("encdec", 8, 32, 4)]
+# (model, B, L, M, checkpointing): each again with every block under torch's checkpointing
+RANK_CASES = [(model, b, length, m, checkpointing) for checkpointing in ("none", "full")
+              for model, b, length, m in [("user", 6, 32, 3), ("llama", 8, 32, 4),
+                                          ("encdec", 8, 32, 4)]]
 _TESTS = str(Path(__file__).resolve().parent)
 # the Transformers model of RANK_CASES: a Llama of three layers, one a stage
 RANK_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -448,21 +451,29 @@ def test_each_stages_peak_agrees_with_torchs_schedule_on_real_ranks(cli, tmp_pat
     17 % low; the encoder-decoder's stages are handed the encoder's output too: counting the
     hidden state alone, its send/recv line was half of torch's and its middle stage 6 % low).
     The first stage at M = P peaks at its first backward, before any gradient exists
-    (counting the gradients there made it 5-12 % high)."""
-    model, b, length, m = RANK_CASES[case]
+    (counting the gradients there made it 5-12 % high).
+
+    With every block checkpointed (--checkpointing full; torch's checkpoint on each block of
+    the stage) each stage within 1.2 % (measured -0.7 % to +1.2 %), where the plan was up to
+    10 % high: the last stage's head and loss backward, before any block is recomputed, and
+    its blocks' backward, after what they saved is gone, are two moments; a later stage's
+    first block keeps the receive buffer it was handed, not a copy."""
+    model, b, length, m, checkpointing = RANK_CASES[case]
     (tmp_path / "net.py").write_text(pipeline_reference.ENC_DEC)  # both user modules
     subject = {"user": ["--model", f"{tmp_path}/net.py:Net", "--input", "ids=int64[B,L]"],
                "encdec": ["--model", f"{tmp_path}/net.py:EncDec", "--input", "src=int64[B,S]",
                           "--input", "tgt=int64[B,T]"]}.get(
         model, ["--model", f"hf:{_RANK_FOLDER[0]}"])
     result = cli("params", *subject, "--parallel", "pp=3", "--micro-batches", str(m),
-                 "--batch-size", str(b // m), "--seq-len", str(length), "--json")
+                 "--batch-size", str(b // m), "--seq-len", str(length), "--checkpointing",
+                 checkpointing, "--json")
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     stages = data["conditions"]["pipeline"]["stages"]
     for s, st in enumerate(stages):
         measured = pipeline_ranks[s][case]
-        assert st["peak_bytes"] == pytest.approx(measured["peak"], rel=0.025), (s, st)
+        assert st["peak_bytes"] == pytest.approx(
+            measured["peak"], rel=0.025 if checkpointing == "none" else 0.015), (s, st)
         torch_buffers = {k: measured["categories"].get(k, 0)
                          for k in ("INPUT", "NONE", "GRADIENT", "PARAMETER")}
         # what torch keeps beside the model: its receive buffers (INPUT, NONE: the grad's
@@ -476,10 +487,14 @@ def test_each_stages_peak_agrees_with_torchs_schedule_on_real_ranks(cli, tmp_pat
         if s > 0:
             kept += torch_buffers["GRADIENT"] - torch_buffers["PARAMETER"]
         lines = {line["name"]: line["bytes"] for line in st["memory"]}
-        if model != "llama":  # (Transformers' stages also make positions, in these categories)
+        # (Transformers' stages also make positions, in these categories; a checkpointed
+        # last stage peaks inside its blocks' backward, where gradients in flight join them)
+        if model != "llama" and checkpointing == "none":
             assert lines["pipeline send/recv"] == pytest.approx(kept, rel=0.02), (s, measured)
     if model == "user":
         assert data["stage"] == 0  # the first stage keeps the most: the table is its
-    if m == 3:  # M = P: its first backward, every micro-batch in flight, before any gradient
+    if m == 3 and checkpointing == "none":
+        # M = P: its first backward, every micro-batch in flight, before any gradient (with
+        # only the blocks' inputs kept, the second, beside the first one's gradients, is more)
         assert data["peak"]["moment"] == "backward start"
         assert "second backward" in data["peak"]["moments"]
