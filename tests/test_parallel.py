@@ -1830,6 +1830,41 @@ def test_wrap_is_refused_where_it_would_choose_nothing_or_what_fsdp_refuses(cli,
         fully_shard(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
 
 
+def test_options_that_would_change_nothing_in_the_model_are_refused(cli, tmp_path):
+    """Accepted though they changed nothing (found by the hostile sweep): --checkpointing on a
+    model without blocks (the whole model the root, which is not checkpointed: the plan was
+    the unchecked one's, labelled "checkpointing full"), --wrap of a class without parameters
+    (Llama's rotary embedding: units that shard nothing) and a --tp-plan that replicates
+    every module it matches (each rank the whole model, labelled tp=2)."""
+    (tmp_path / "mlp.py").write_text("import torch\nbuild = lambda: torch.nn.Sequential("
+                                     "torch.nn.Linear(16, 64), torch.nn.ReLU(), "
+                                     "torch.nn.Linear(64, 4))\n")
+    mlp = ["--model", f"{tmp_path}/mlp.py:build", "--input", "x=float32[B,16]",
+           "--batch-size", "4"]
+    llama = ["--model", f"hf:{LLAMA_TINY}", "--seq-len", "16"]
+    for args, message in [
+            ([*mlp, "--checkpointing", "full"], "--checkpointing full: no ModuleList holds "
+             "parameters: the whole model is one unit (the root); tfcli checkpoints each unit "
+             "but the root, so nothing would change"),
+            ([*mlp, "--parallel", "dp=2", "--checkpointing", "selective"],
+             "--checkpointing selective: no ModuleList holds parameters"),
+            ([*llama, "--parallel", "dp=2,zero=3", "--wrap", "LlamaRotaryEmbedding"],
+             "--wrap LlamaRotaryEmbedding: its 1 module(s) hold no parameters: as units they "
+             "would shard, place and checkpoint nothing; its classes with parameters and a "
+             "forward: LlamaForCausalLM, LlamaModel, Embedding, LlamaDecoderLayer"),
+            ([*llama, "--parallel", "tp=2", "--tp-plan", "*=replicate"],
+             "--tp-plan: every module it matches is replicate (whole on every rank): nothing "
+             "is split over tp=2")]:
+        refused = cli("params", *args)
+        assert refused.exit_code == 2 and message in refused.stderr, (args, refused.stderr)
+        assert len(refused.stderr.strip().splitlines()) == 1 and refused.stdout == ""
+    # one module replicated beside split ones still splits the others
+    kept = cli("params", *llama, "--parallel", "tp=2", "--tp-plan",
+               "*.mlp.gate_proj=colwise,*.mlp.up_proj=colwise,*.mlp.down_proj=rowwise,"
+               "lm_head=replicate", "--json")
+    assert kept.exit_code == 0, kept.stderr
+
+
 def test_a_rank_timeline_keeps_fsdps_advice_to_the_models_author_off_stderr(cli, tmp_path):
     """FSDP2 warns when a wrapped module returns a view; under --timeline its two lines
     reached stderr as if they were tfcli's (found by the hostile sweep)."""

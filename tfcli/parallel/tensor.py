@@ -231,6 +231,11 @@ def resolve(model, rules: dict[str, str], t: int, origin: str) -> dict[str, str]
                              f"not divisible by {t}; tensor parallelism splits it evenly, so "
                              f"tp must divide it")
         out[path] = style
+    if out and all(STYLES[style][0] is None for style in out.values()):
+        kept = "/".join(sorted(set(out.values())))
+        raise TfcliError(f"{origin}: every module it matches is {kept} (whole on every rank): "
+                         f"nothing is split over tp={t}, so each rank would be the whole "
+                         f"model; split some with colwise or rowwise, or drop tp")
     return out
 
 

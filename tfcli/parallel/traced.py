@@ -166,6 +166,11 @@ class TracedModel:
         ``optimizer`` and ``optimizer_impl`` (data and context parallelism alone) add the
         optimizer's step as a moment (tfcli.parallel.plan.optimizer_step)."""
         self._check_splits(par)
+        if checkpointing != "none" and not self.units.modules:
+            raise TfcliError(f"--checkpointing {checkpointing}: {self.units.how}; tfcli "
+                             f"checkpoints each unit but the root, so nothing would change: "
+                             f"name the blocks to checkpoint with --wrap CLASS, or drop "
+                             f"--checkpointing")
         if par.pp > 1:
             from tfcli.parallel.pipeline import pipeline_plan
 

@@ -96,6 +96,12 @@ def find_units(model, wrap: str | None = None) -> Units:
                              f"which FSDP2's fully_shard refuses (\"does not support "
                              f"containers that do not implement forward\"); name the class of "
                              f"its modules: {', '.join(_classes(model)[:12])}")
+        if modules and not any(True for _, m in modules for _ in m.parameters()):
+            classes = _classes(model)
+            raise TfcliError(f"--wrap {wrap}: its {len(modules)} module(s) hold no parameters: "
+                             f"as units they would shard, place and checkpoint nothing; its "
+                             f"classes with parameters and a forward: "
+                             f"{', '.join(classes[:12])}{', ...' if len(classes) > 12 else ''}")
         if not modules and type(model).__name__ == wrap:
             # fully_shard(model) alone: the root is the one unit, as FSDP2 makes it
             how = (f"--wrap {wrap}: the model itself; the whole model is one unit (the "
