@@ -732,6 +732,10 @@ def test_device_names_are_read_as_the_boards_are_and_a_reserve_is_kept_back(cli)
      "--micro-batches 4: micro-batches in flight matter to pipeline stages"),
     (["--checkpointing", "full"], "--checkpointing changes the activations, which need a length"),
     (["--parallel", "dp=2", "--mixed-precision", "bf16"], "--mixed-precision changes the"),
+    # (it said the per-rank plan "is a table of memory lines, not of the model's modules")
+    (["--parallel", "dp=2", "--seq-len", "16", "--keep-grads"],
+     "--keep-grads is not modelled with --parallel: the per-rank plan's moments follow "
+     "zero_grad(set_to_none=True)"),
 ])
 def test_params_parallel_bad_input_is_one_line(cli, args, message):
     result = cli("params", "-p", "gpt2-small", *args)

@@ -96,6 +96,24 @@ def test_device_memory_says_whether_serving_fits(cli, configs):
         assert serving["device"]["fits"] is fits
 
 
+def test_the_serving_peak_is_a_line_without_a_device_too(cli, configs):
+    """--inference without --device-memory gave the lines and a total that summed the prefill
+    and decode working sets (never alive at once), the --json no peak at all: the serving
+    peak line is there either way, the real run's peak, and the same as a device is told."""
+    peak, _ = _real_peak(CONFIGS["llama"](), 2, 12)
+    args = ["params", "--model", f"hf:{configs['llama']}", "--inference", "--seq-len", "12",
+            "--batch-size", "2", "--json"]
+    alone = json.loads(cli(*args).stdout)
+    served = json.loads(cli(*args, "--device-memory", "1GiB").stdout)
+    assert alone["memory"] == served["memory"]
+    line = alone["memory"][-1]
+    assert line["name"] == "serving peak" and line["summary"]
+    assert line["bytes"] == served["serving"]["need_bytes"] <= peak + 4096
+    assert line["bytes"] >= peak - 4096
+    text = " ".join(cli(*args[:-1], "--depth", "0").stdout.split())
+    assert "sum of the lines above (an upper bound:" in text
+
+
 def test_table_names_the_answer_and_its_neighbour(cli):
     result = cli("params", "--preset", "tiny", "--inference", "--seq-len", "32", "--depth",
                  "0", "--device-memory", "4MiB", "--fit", "batch")

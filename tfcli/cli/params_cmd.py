@@ -230,7 +230,10 @@ RULES = Rules(
     Rule("max_memory", ONE_DEVICE,
          Needs(lambda v: v.build_on is BuildDevice.cpu, "only with --build-on cpu",
                "bounds --build-on cpu; meta allocates nothing")),
-    Rule("keep_grads", ONE_DEVICE),
+    Rule("keep_grads", Needs(lambda v: v.per_rank is None, "not with --parallel",
+                             "{option} is not modelled with {v.per_rank}: the per-rank "
+                             "plan's moments follow zero_grad(set_to_none=True), PyTorch's "
+                             "default, gradients made in backward; drop {it}")),
     Rule("dim", Needs(lambda v: v.seq_len is not None or v.fit_ is Fit.seq_len or not any(
         t.partition("=")[0].strip() in ("S", "T", "L") for t in v.dim or []),
                       "not for S, T or L",
@@ -548,8 +551,15 @@ def params(
         if inference:
             memory = mem.training_memory(report.total_params, 0, report.buffer_numel,
                                          dtype.value, optimizer.value, None, None)[:2]
-            memory += served.memory if served else mem.inference_lines(
-                subject, dims, dtype.value, (kv_dtype or dtype).value, kernel)
+            if served is None:  # the same lines and peak as serving on a device, without one
+                from tfcli.inspection.serving import measure, peak_line
+
+                static = sum(line.bytes for line in memory)
+                point = measure(subject, static, dims, dtype.value, (kv_dtype or dtype).value,
+                                kernel, batch_size, seq_len)
+                memory += [*point.lines, peak_line(point, static)]
+            else:
+                memory += served.memory
             how = "; ".join([*subject.assumptions(dims),
                              f"attention kernel: {assumed}, on {device.value}"])
             if timeline is not None:
