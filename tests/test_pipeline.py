@@ -498,3 +498,37 @@ def test_each_stages_peak_agrees_with_torchs_schedule_on_real_ranks(cli, tmp_pat
         # only the blocks' inputs kept, the second, beside the first one's gradients, is more)
         assert data["peak"]["moment"] == "backward start"
         assert "second backward" in data["peak"]["moments"]
+
+
+@pytest.mark.parametrize("m", [4, 2])
+def test_stages_beside_fsdp_hold_their_gradients_whole_until_the_last_backward(cli, tmp_path, m):
+    """torch.distributed.pipelining runs every micro-batch's backward with FSDP's gradient
+    sync off (set_requires_gradient_sync(False)) and reduce-scatters once, after the last
+    (perform_reduce_grad): a stage's gradients are whole from its first backward to that
+    reduce, and neither its sharded gradients nor a reduce-scatter buffer exist in backward.
+    The plan held one unit's whole gradients at a time beside the sharded ones, as one
+    micro-batch's step does; torch's profiler on real gloo ranks (this module, pp = 2 × dp =
+    2, ZeRO-3) showed every Linear's whole weight gradient and the embedding's at each
+    stage's peak. At M = P the first stage's first backward, every micro-batch in flight,
+    comes before any gradient, its second one micro-batch's activations fewer."""
+    (tmp_path / "net.py").write_text(pipeline_reference.MODULE)
+    result = cli("params", "--model", f"{tmp_path}/net.py:Net", "--input", "ids=int64[B,L]",
+                 "--parallel", "pp=2,dp=2,zero=3", "--micro-batches", str(m), "--batch-size",
+                 "2", "--seq-len", "32", "--json")
+    assert result.exit_code == 0, result.stderr
+    stages = json.loads(result.stdout)["conditions"]["pipeline"]["stages"]
+    for stage in stages:
+        by = {line["name"]: line["bytes"] for line in stage["memory"]}
+        assert by["unsharded gradients, accumulated"] == 4 * stage["trainable"]
+        assert by["gradients"] * 2 == 4 * stage["trainable"]  # sharded over dp = 2
+        assert "unsharded root gradients" not in by  # part of the whole gradients now
+        start = sum(by.values()) - by["gradients"] - by["reduce-scatter buffer"]
+        if in_flight(2, stage["stage"], m) < m:
+            assert stage["peak_bytes"] == start
+    first = {line["name"]: line["bytes"] for line in stages[0]["memory"]}
+    if m == 2:  # M = P: both micro-batches in flight before stage 0's first backward
+        one = (first["activations: layers"] + first["activations: stage outputs"]) // 2
+        assert stages[0]["peak_bytes"] == max(
+            sum(first.values()) - first["gradients"] - first["reduce-scatter buffer"]
+            - first["unsharded gradients, accumulated"],
+            sum(first.values()) - first["gradients"] - first["reduce-scatter buffer"] - one)

@@ -254,6 +254,9 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
                         + (f", and {', '.join(st.holds)}" if st.holds else "") + "; "
                         + lines[0].how)
         lines += view._buffer_lines(sb) + view._communication_lines(n, zero, sb)
+        fsdp = zero == 3 and n > 1 and sb.name != "deepspeed" and st.units.largest is not None
+        if fsdp:
+            lines = _unsynced_gradients(lines, view, sb)
         kept = 0
         if estimate is not None:
             act, kept = _activation_lines(st, estimate, pp, m, checkpointing, sb)
@@ -262,11 +265,14 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
             unit = (st.largest_module if sb.name == "deepspeed"
                     else trained.trainable if trained else 0)
             shard = shard_numel(trained.trainable_shapes, n) if trained else 0
-            peaks.append(_stage_peak(lines, kept, in_flight(pp, st.index, m), m,
-                                     unit * sb.unit_grads if zero == 3 else 0,
-                                     shard * sb.grads if zero == 3 else 0,
-                                     _last_blocks_backward(estimate, m)
-                                     if st.index == pp - 1 else None))
+            last = _last_blocks_backward(estimate, m) if st.index == pp - 1 else None
+            peaks.append(
+                _fsdp_stage_peak(lines, kept, in_flight(pp, st.index, m), m,
+                                 st.units.largest.numel * sb.gathered, view.numel * sb.gathered)
+                if fsdp else
+                _stage_peak(lines, kept, in_flight(pp, st.index, m), m,
+                            unit * sb.unit_grads if zero == 3 else 0,
+                            shard * sb.grads if zero == 3 else 0, last))
         results.append(lines)
     totals = [sum(line.bytes for line in lines) for lines in results]
     need = [p.bytes for p in peaks] if peaks else totals
@@ -333,6 +339,70 @@ def _stage_peak(lines: list[Line], kept: int, flight: int, m: int, unit_grads: i
 
 
 RECOMPUTED, AFTER = "activations: recomputed layer", "activations: after the blocks"
+UNSYNCED = "unsharded gradients, accumulated"
+
+
+def _unsynced_gradients(lines: list[Line], view, sb: Policy) -> list[Line]:
+    """FSDP's lines as torch.distributed.pipelining runs a stage: every micro-batch's backward
+    with FSDP's gradient sync and its resharding after backward off
+    (set_requires_gradient_sync(False), set_reshard_after_backward(False)), and one
+    reduce-scatter of every unit after the last (perform_reduce_grad). So the stage's
+    gradients are whole, accumulated over the micro-batches, from its first backward to that
+    reduce, where the plan of one micro-batch holds a unit's at a time and the root's: the
+    root's line gives way to them all. Read in torch's profiler on real gloo ranks (a user's
+    decoder at pp = 2 × dp = 2, ZeRO-3): at a stage's peak, every Linear's whole weight
+    gradient of its blocks and the embedding's, made by earlier micro-batches' backward."""
+    out = [line for line in lines if line.name != "unsharded root gradients"]
+    out.append(Line(UNSYNCED, view.trainable * sb.unit_grads,
+                    f"{sb.tag()} every gradient of the stage, {view.trainable:,} × "
+                    f"{sb.unit_grads} B, whole: torch.distributed.pipelining runs each "
+                    f"micro-batch's backward with FSDP's gradient sync off "
+                    f"(set_requires_gradient_sync(False)), so they accumulate unsharded until "
+                    f"one reduce-scatter after the last (perform_reduce_grad)",
+                    "communication", sb.name))
+    return out
+
+
+def _fsdp_stage_peak(lines: list[Line], kept: int, flight: int, m: int, unit_gathered: int,
+                     all_gathered: int) -> Peak:
+    """A stage's peak under FSDP as torch's schedule runs it (:func:`_unsynced_gradients`).
+    In backward the sharded gradients and the reduce-scatter buffer do not exist yet; the
+    whole gradients do from the stage's first backward (at M ≤ P - s, when every micro-batch
+    is in flight before it, only from the second, one micro-batch's activations fewer).
+    Inside a backward a unit stays gathered once its backward is over (no resharding after
+    backward) beside the next one gathered, as one unit's activations go. After the last
+    backward every unit is gathered while each is reduce-scattered to its sharded gradients;
+    the activations are gone (the last stage's kept outputs but)."""
+    by = {line.name: line.bytes for line in lines}
+    total = sum(by.values())
+    during = total - by.get("gradients", 0) - by.get("reduce-scatter buffer", 0)
+    one = min(kept, by.get("activations: layers", 0))
+    moments = {}
+    if m > flight or flight < 2:  # gradients accumulate beside the most activations
+        moments["backward start"] = during
+    else:
+        per_micro_batch = sum(by.get(name, 0) for name in _PER_MICRO_BATCH) // flight
+        moments["backward start"] = during - by[UNSYNCED]
+        moments["second backward"] = during - per_micro_batch
+    moments["inside backward (FSDP)"] = max(moments.values()) - one + unit_gathered
+    activations = sum(line.bytes for line in lines if line.kind == "activations"
+                      and line.name != "activations: outputs kept")
+    gathered = by.get("unsharded parameters", 0) + by.get("all-gather buffer", 0)
+    moments["gradient reduce"] = (total - activations - gathered + all_gathered)
+    moment = max(moments, key=moments.__getitem__)
+    return Peak(moments[moment], moment, moments,
+                "the largest of these moments of a stage's step under FSDP as "
+                "torch.distributed.pipelining runs it (gradient sync and resharding after "
+                "backward off until the last micro-batch): backward start (every line but "
+                "the sharded gradients and the reduce-scatter buffer, the whole gradients "
+                "accumulating"
+                + ("" if "second backward" not in moments else
+                   "; at the first backward, with every micro-batch in flight, none yet; the "
+                   "second backward, one micro-batch's activations fewer, beside them")
+                + "); inside backward (one unit's activations gone, the unit kept gathered "
+                "beside the next); the gradient reduce after the last backward (every unit "
+                "gathered, the whole and the sharded gradients and the reduce-scatter buffer, "
+                "no activations)")
 
 
 def _last_blocks_backward(estimate, m: int) -> tuple[int, int]:
