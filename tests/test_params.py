@@ -413,6 +413,26 @@ def test_training_step_peak_matches_a_real_steady_state_step(name, overrides, mi
     real.optimizer.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp32"), ("adam", "bf16"),
+                                             ("sgd-momentum", "fp32")])
+def test_the_for_loops_temporaries_from_its_neighbour_pairs_are_the_whole_lists(optimizer,
+                                                                               dtype):
+    """The for-loop optimizer's temporaries, found from each distinct pair of neighbouring
+    parameters (an optimizer of two each), equal the replay of the whole list: tiny's
+    parameters, a list whose one large parameter sits between small ones (what the loop's
+    variables keep from the step before matters there), and one whose pairs are too many to
+    gain, which is replayed whole."""
+    from tfcli.inspection.memory import _optimizer_replay, optimizer_temporaries
+    from tfcli.parallel.plan import _trainable_shapes
+
+    block = ((64, 64), (64,), (256, 64), (256,), (64, 256), (64,), (64,), (64,))
+    lists = [_trainable_shapes(get_preset("tiny")), ((8,),) + block * 6 + ((512, 64), (8,)),
+             tuple((i + 1,) for i in range(12))]
+    for shapes in lists:
+        assert optimizer_temporaries.__wrapped__(shapes, dtype, optimizer, "for-loop") == \
+            _optimizer_replay(shapes, dtype, optimizer, "for-loop"), shapes
+
+
 def test_a_keep_output_loop_holds_the_logits_through_the_step():
     """nanoGPT's loop (``logits, loss = model(x, y)``) holds the logits through backward and
     the optimizer step; cross-entropy saves its log-softmax, not the logits, so the step's peak

@@ -788,7 +788,23 @@ def optimizer_temporaries(shapes: tuple[tuple[int, ...], ...], dtype: str, optim
     """The most ``optimizer.step()`` (``impl`` forced) holds above its parameters, gradients
     and state, for parameters of ``shapes`` in ``dtype``: the optimizer alone replayed on fake
     tensors, its second step (the first makes the state), as simulate_step measures it within
-    a whole step."""
+    a whole step.
+
+    The for-loop steps one parameter at a time, and what it holds while it steps one is that
+    parameter's temporaries beside what the step before left in the loop's variables (rebound
+    at the next): so each distinct pair of neighbours, replayed as an optimizer of two, holds
+    every moment the whole list has, and the largest of them is the list's (a model's
+    repeated layers give a dozen pairs for hundreds of parameters: Llama 3 8B's 291, 2.9 s to
+    replay, make 10; tested equal to the whole list's replay)."""
+    pairs = dict.fromkeys(zip(shapes, shapes[1:]))
+    if impl == "for-loop" and 2 * len(pairs) < len(shapes):  # (else replaying them is more)
+        return max(_optimizer_replay(pair, dtype, optimizer, impl) for pair in pairs)
+    return _optimizer_replay(shapes, dtype, optimizer, impl)
+
+
+def _optimizer_replay(shapes: tuple[tuple[int, ...], ...], dtype: str, optimizer: str,
+                      impl: str) -> int:
+    """:func:`optimizer_temporaries` of the whole list ``shapes``, replayed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
