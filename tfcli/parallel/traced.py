@@ -415,8 +415,9 @@ class TracedModel:
 
         peak = step_peak(lines, per_unit, False)
         if zero != 3:
-            return self._replicated_peak(lines, estimate, peak, sb.grads, per_unit,
-                                         self.experts.rank_units(ep) if ep > 1 else self.units)
+            units = self.experts.rank_units(ep) if ep > 1 else self.units
+            return self._replicated_peak(lines, estimate, peak, sb.grads if zero < 2 else 0,
+                                         per_unit, units)
         if sb.name == "deepspeed":
             return self._deepspeed_peak(lines, per_unit, sb, ep, peak)
         units = self.experts.rank_units(ep) if ep > 1 else self.units
@@ -505,7 +506,7 @@ class TracedModel:
         return Peak(moments[moment], moment, moments, how)
 
     @staticmethod
-    def _replicated_peak(lines: list[Line], estimate, peak, grad_bytes: int, per_unit: int,
+    def _replicated_peak(lines: list[Line], estimate, peak, whole_grads: int, per_unit: int,
                          units: Units):
         """Without ZeRO-3 (DDP, ZeRO-1/2: every parameter whole on each rank), backward's end
         from the replay: every gradient made, beside what autograd still holds once the units'
@@ -521,12 +522,13 @@ class TracedModel:
                    if line.kind != "activations" and line.name != "all-gather buffer")
         # The replay accumulates into gradients that exist before the step: its peak after
         # the units counts the gradient made there (the embeddings', a tied weight's sum) in
-        # flight, which the gradients line holds already (counted twice, a Transformers
-        # GPT-2 of two layers with a tied vocabulary of 4,096 at B x L = 1 x 16 was 13 %
-        # above MemTracker's real CPU step)
-        made = max((math.prod(shape) for shape in units.root.trainable_shapes), default=0)
+        # flight, which a line of whole gradients holds already (``whole_grads``: their bytes
+        # each, 0 under ZeRO-2, whose line is a rank's partition; counted twice, a
+        # Transformers GPT-2 of two layers with a tied vocabulary of 4,096 at B x L = 1 x 16
+        # was 13 % above MemTracker's real CPU step)
+        last = max((math.prod(shape) for shape in units.root.trainable_shapes), default=0)
         moments = {**peak.moments,
-                   "backward end": held - made * grad_bytes + estimate.end_peak}
+                   "backward end": held - last * whole_grads + estimate.end_peak}
         by = {line.name: line.bytes for line in lines}
         extra = by.get("activations: recomputed layer", 0)
         recomputing = ""
@@ -544,20 +546,23 @@ class TracedModel:
             start = moments["backward start"]
             activations = sum(line.bytes for line in lines if line.kind == "activations")
             in_units = sum(sum(kinds.values()) for kinds in estimate.unit_saved)
+            # the gradients made by then, a share of the gradients line (ZeRO-2's is one
+            # rank's partition): all but the embeddings' (made after) and the unit's own (in
+            # the most its backward adds)
             root = units.root
-            unmade = ((root.trainable - estimate.late_root_numel)  # the embeddings', after
-                      + units.most_trained.trainable) * grad_bytes  # the unit's own, in excess
+            trainable = root.trainable + sum(g.trainable for g in units.groups)
+            unmade = (root.trainable - estimate.late_root_numel) + units.most_trained.trainable
+            made = by.get("gradients", 0) * max(trainable - unmade, 0) // max(trainable, 1)
             layers = by.get("activations: layers", 0)
             moments["backward start"] = start - extra
             moments["last unit's backward"] = (
-                start - activations + max(by.get("gradients", 0) - unmade, 0)
-                + min(per_unit, layers) + extra + estimate.unit_excess
-                + (estimate.start_live - in_units))
+                start - activations + made + min(per_unit, layers) + extra
+                + estimate.unit_excess + (estimate.start_live - in_units))
             recomputing = ("; with checkpointed units, backward start without a recomputed "
                            "unit (the loss's and the head's backward come first), and the last "
                            "unit's backward (the first in forward): every gradient made by "
                            "then, its input, its recomputation and the most its backward adds, "
-                           "beside what autograd holds besides the units")
+                           "and what autograd holds beside the units' activations")
         moment = max(moments, key=moments.__getitem__)
         formula = ("backward end (every line but the all-gather buffer, one layer's "
                    "activations left)")
