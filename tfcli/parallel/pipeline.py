@@ -267,8 +267,9 @@ def pipeline_plan(traced, par: Parallel, sizes: dict[str, int] | None, checkpoin
             shard = shard_numel(trained.trainable_shapes, n) if trained else 0
             last = _last_blocks_backward(estimate, m) if st.index == pp - 1 else None
             peaks.append(
-                _fsdp_stage_peak(lines, kept, in_flight(pp, st.index, m), m,
-                                 st.units.largest.numel * sb.gathered, view.numel * sb.gathered)
+                _fsdp_stage_peak(lines, in_flight(pp, st.index, m), m, len(st.units.groups),
+                                 st.units.largest.numel * sb.gathered, view.numel * sb.gathered,
+                                 last)
                 if fsdp else
                 _stage_peak(lines, kept, in_flight(pp, st.index, m), m,
                             unit * sb.unit_grads if zero == 3 else 0,
@@ -363,28 +364,44 @@ def _unsynced_gradients(lines: list[Line], view, sb: Policy) -> list[Line]:
     return out
 
 
-def _fsdp_stage_peak(lines: list[Line], kept: int, flight: int, m: int, unit_gathered: int,
-                     all_gathered: int) -> Peak:
+def _fsdp_stage_peak(lines: list[Line], flight: int, m: int, units: int, unit_gathered: int,
+                     all_gathered: int, blocks_backward: tuple[int, int] | None = None) -> Peak:
     """A stage's peak under FSDP as torch's schedule runs it (:func:`_unsynced_gradients`).
     In backward the sharded gradients and the reduce-scatter buffer do not exist yet; the
     whole gradients do from the stage's first backward (at M ≤ P - s, when every micro-batch
     is in flight before it, only from the second, one micro-batch's activations fewer).
-    Inside a backward a unit stays gathered once its backward is over (no resharding after
-    backward) beside the next one gathered, as one unit's activations go. After the last
+    Inside a backward each unit stays gathered once its backward is over (no resharding
+    after backward; a forward in between reshards them): at the stage's first unit's backward
+    all of its ``units`` are, where backward start has the root, one unit and the next
+    prefetched, and of the micro-batch in backward only that unit's activations are left
+    (with two units, no more than backward start; measured: torch's stage 0 with two
+    checkpointed blocks peaked within 1 % of backward start, one unit above it counted
+    as the unit kept gathered beside the next). After the last
     backward every unit is gathered while each is reduce-scattered to its sharded gradients;
-    the activations are gone (the last stage's kept outputs but)."""
+    the activations are gone (the last stage's kept outputs but). The last stage with its
+    blocks recomputed (``blocks_backward``, as :func:`_last_stage_recomputed`): the head's
+    and the loss's backward without a recomputed block, then its blocks' backward without
+    them."""
     by = {line.name: line.bytes for line in lines}
     total = sum(by.values())
     during = total - by.get("gradients", 0) - by.get("reduce-scatter buffer", 0)
-    one = min(kept, by.get("activations: layers", 0))
+    layers = by.get("activations: layers", 0)
     moments = {}
+    if blocks_backward is not None and by.get(RECOMPUTED):
+        working, output = blocks_backward
+        moments["blocks' backward start"] = (during - by.get(AFTER, 0) - by.get(WORKING, 0)
+                                             + working + output)
+        during -= by[RECOMPUTED]
     if m > flight or flight < 2:  # gradients accumulate beside the most activations
         moments["backward start"] = during
     else:
         per_micro_batch = sum(by.get(name, 0) for name in _PER_MICRO_BATCH) // flight
         moments["backward start"] = during - by[UNSYNCED]
         moments["second backward"] = during - per_micro_batch
-    moments["inside backward (FSDP)"] = max(moments.values()) - one + unit_gathered
+    if units > 2:
+        moments["first unit's backward"] = (max(moments.values())
+                                            - layers // flight * (units - 1) // units
+                                            + (units - 2) * unit_gathered)
     activations = sum(line.bytes for line in lines if line.kind == "activations"
                       and line.name != "activations: outputs kept")
     gathered = by.get("unsharded parameters", 0) + by.get("all-gather buffer", 0)
@@ -399,8 +416,9 @@ def _fsdp_stage_peak(lines: list[Line], kept: int, flight: int, m: int, unit_gat
                 + ("" if "second backward" not in moments else
                    "; at the first backward, with every micro-batch in flight, none yet; the "
                    "second backward, one micro-batch's activations fewer, beside them")
-                + "); inside backward (one unit's activations gone, the unit kept gathered "
-                "beside the next); the gradient reduce after the last backward (every unit "
+                + "); the first unit's backward, with more than two units (every unit "
+                "gathered, of the micro-batch in backward only that unit's activations left); "
+                "the gradient reduce after the last backward (every unit "
                 "gathered, the whole and the sharded gradients and the reduce-scatter buffer, "
                 "no activations)")
 
