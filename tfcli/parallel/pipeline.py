@@ -373,10 +373,10 @@ def _fsdp_stage_peak(lines: list[Line], flight: int, m: int, units: int, unit_ga
     Inside a backward each unit stays gathered once its backward is over (no resharding
     after backward; a forward in between reshards them): at the stage's first unit's backward
     all of its ``units`` are, where backward start has the root, one unit and the next
-    prefetched, and of the micro-batch in backward only that unit's activations are left
-    (with two units, no more than backward start; measured: torch's stage 0 with two
-    checkpointed blocks peaked within 1 % of backward start, one unit above it counted
-    as the unit kept gathered beside the next). After the last
+    prefetched, and of the micro-batch in backward only that unit's activations are left.
+    With two units that is no more than backward start (torch's stage 0 of two checkpointed
+    blocks peaked within 1 % of it; counting a third unit gathered put the plan 7 % high).
+    After the last
     backward every unit is gathered while each is reduce-scattered to its sharded gradients;
     the activations are gone (the last stage's kept outputs but). The last stage with its
     blocks recomputed (``blocks_backward``, as :func:`_last_stage_recomputed`): the head's
@@ -388,9 +388,8 @@ def _fsdp_stage_peak(lines: list[Line], flight: int, m: int, units: int, unit_ga
     layers = by.get("activations: layers", 0)
     moments = {}
     if blocks_backward is not None and by.get(RECOMPUTED):
-        working, output = blocks_backward
-        moments["blocks' backward start"] = (during - by.get(AFTER, 0) - by.get(WORKING, 0)
-                                             + working + output)
+        moments["blocks' backward start"] = during + sum(
+            line.bytes for line in _blocks_backward_lines(lines, *blocks_backward)) - total
         during -= by[RECOMPUTED]
     if m > flight or flight < 2:  # gradients accumulate beside the most activations
         moments["backward start"] = during
@@ -432,6 +431,14 @@ def _last_blocks_backward(estimate, m: int) -> tuple[int, int]:
     return estimate.unit_working, estimate.output_bytes - counted
 
 
+def _blocks_backward_lines(lines: list[Line], block_working: int, output: int) -> list[Line]:
+    """The last stage's lines as its blocks' backward holds them: what ran after the blocks
+    gone, the head's working set given way to the most one block's backward adds and the
+    current micro-batch's output (:func:`_last_blocks_backward`)."""
+    return [replace(line, bytes=block_working + output) if line.name == WORKING else line
+            for line in lines if line.name != AFTER]
+
+
 def _last_stage_recomputed(lines: list[Line], kept: int, accumulating: bool, unit_grads: int,
                            unit_shard: int, block_working: int, output: int) -> Peak:
     """The last stage's peak when its blocks are recomputed in backward (checkpointing). Its
@@ -444,9 +451,8 @@ def _last_stage_recomputed(lines: list[Line], kept: int, accumulating: bool, uni
     lowered torch's peak by 8 %."""
     head = step_peak([line for line in lines if line.name != RECOMPUTED], kept, accumulating,
                      unit_grads, unit_shard)
-    blocks = step_peak([replace(line, bytes=block_working + output) if line.name == WORKING
-                        else line for line in lines if line.name != AFTER], kept, accumulating,
-                       unit_grads, unit_shard)
+    blocks = step_peak(_blocks_backward_lines(lines, block_working, output), kept,
+                       accumulating, unit_grads, unit_shard)
     moments = {"backward start": head.moments["backward start"],
                "blocks' backward start": blocks.moments["backward start"],
                **{name: n for name, n in blocks.moments.items() if name != "backward start"}}
