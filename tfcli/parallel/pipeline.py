@@ -415,9 +415,14 @@ def _fsdp_stage_peak(lines: list[Line], flight: int, m: int, units: int, unit_ga
                 + ("" if "second backward" not in moments else
                    "; at the first backward, with every micro-batch in flight, none yet; the "
                    "second backward, one micro-batch's activations fewer, beside them")
-                + "); the first unit's backward, with more than two units (every unit "
-                "gathered, of the micro-batch in backward only that unit's activations left); "
-                "the gradient reduce after the last backward (every unit "
+                + ")" + ("" if "blocks' backward start" not in moments else
+                         "; with the blocks recomputed, backward start holds none of them and "
+                         "the blocks' backward start holds one, the head's working set and "
+                         "what ran after the blocks gone")
+                + ("" if "first unit's backward" not in moments else
+                         "; the first unit's backward (every unit gathered, of the "
+                         "micro-batch in backward only that unit's activations left)")
+                + "; the gradient reduce after the last backward (every unit "
                 "gathered, the whole and the sharded gradients and the reduce-scatter buffer, "
                 "no activations)")
 
