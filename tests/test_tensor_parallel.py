@@ -510,6 +510,14 @@ def test_params_tp_with_a_transformers_models_own_plan(cli):
     assert config["tie_word_embeddings"] and by["gradients"] == by["weights"]
 
 
+# Mixtral's plan as Transformers wrote it up to 5.24 (5.25 dropped the experts' entries): the
+# bad-input case gives it in the config, so it does not depend on the installed version
+MIXTRAL_5_24_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                     "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                     "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                     "layers.*.mlp.experts.down_proj": "rowwise",
+                     "layers.*.mlp.experts": "moe_tp_experts"}
+
 @pytest.mark.parametrize("model,extra,message", [
     ("mixtral", ["--parallel", "tp=2"], "Transformers' tensor-parallel plan of "
      "MixtralForCausalLM uses packed_colwise (model.layers.*.mlp.experts.gate_up_proj), "
@@ -576,7 +584,7 @@ def test_tp_bad_input_is_one_line(cli, tp_models, model, extra, message):
     """Each refusal is one line naming what is wrong and what is allowed, exit 2."""
     where = tp_models["where"][0]
     configs = {"mixtral": {"model_type": "mixtral", **COMMON, "num_local_experts": 4,
-                           "num_experts_per_tok": 2},
+                           "num_experts_per_tok": 2, "base_model_tp_plan": MIXTRAL_5_24_PLAN},
                "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
                         "vocab_size": 128, "n_positions": 64},
                "ffn90": {"model_type": "llama", **COMMON, "intermediate_size": 90},
