@@ -653,6 +653,9 @@ def test_params_and_its_per_rank_plan_share_one_json_schema(cli):
     assert keys == {frozenset({"name", "bytes", "how", "kind", "summary", "precision"})}
     kinds = lambda data: {line["name"]: line["kind"] for line in data["memory"]}  # noqa: E731
     assert kinds(one)["gradients"] == kinds(ranked)["gradients"] == "model states"
+    for data in (one, ranked):  # the table's "total": the lines that are not a peak
+        assert data["total_bytes"] == sum(line["bytes"] for line in data["memory"]
+                                          if not line["summary"]) > 0
 
 
 def test_params_parallel_table(cli):

@@ -5,6 +5,7 @@ it; the search's answer is replayed, and the answer + 1 replayed not to fit."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from test_inference import CONFIGS, _storage_bytes_held, cache_kw, returned_cache
 from tfcli.parallel.fit import fit_confirmed
+from tfcli.render import human_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,8 +112,12 @@ def test_the_serving_peak_is_a_line_without_a_device_too(cli, configs):
     assert line["name"] == "serving peak" and line["summary"]
     assert line["bytes"] == served["serving"]["need_bytes"] <= peak + 4096
     assert line["bytes"] >= peak - 4096
+    # the table's total is in --json too: every line but the peak, above the peak
+    assert alone["total_bytes"] == sum(m["bytes"] for m in alone["memory"][:-1]) > line["bytes"]
     text = " ".join(cli(*args[:-1], "--depth", "0").stdout.split())
     assert "sum of the lines above (an upper bound:" in text
+    assert re.search(rf"total\W+{re.escape(human_bytes(alone['total_bytes']))}\W+sum of the "
+                     "lines above", text), text
 
 
 def test_table_names_the_answer_and_its_neighbour(cli):
