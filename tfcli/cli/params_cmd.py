@@ -628,8 +628,7 @@ def params(
         data.update(buffer_elements=report.buffer_numel,
                     bytes={m.name: m.bytes for m in memory},
                     memory=[m.record() for m in memory],
-                    # the table's "total" (as a per-rank plan's): the lines that are no peak
-                    total_bytes=sum(m.bytes for m in memory if not m.summary),
+                    total_bytes=mem.lines_total(memory),  # as a per-rank plan's
                     activations_method=how or None,
                     dtype=dtype.value,  # no optimizer and no training precision to serve
                     optimizer=None if inference else optimizer.value, mixed_precision=mixed,

@@ -949,6 +949,11 @@ class MemoryLine:
                 "summary": self.summary, "precision": None}
 
 
+def lines_total(lines: list[MemoryLine]) -> int:
+    """The table's "total" (``--json``'s ``total_bytes``): the lines that are not a peak."""
+    return sum(line.bytes for line in lines if not line.summary)
+
+
 def training_memory(total: int, trainable: int, buffer_numel: int, dtype: str, optimizer: str,
                     mixed: str | None,
                     activations: ActivationEstimate | None) -> list[MemoryLine]:

@@ -10,7 +10,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from tfcli.inspection.memory import MemoryLine
+from tfcli.inspection.memory import MemoryLine, lines_total
 from tfcli.inspection.params import LayerRow, ParamReport
 from tfcli.render import count, human_bytes, percent
 from tfcli.render.columns import Col, fit_table, left_out_line
@@ -240,8 +240,7 @@ def render(report: ParamReport, rows: list[DisplayRow], memory: list[MemoryLine]
     for line in parts_only:
         mem.add_row(line.name, human_bytes(line.bytes), line.how)
     peaks = [m for m in memory if m.summary]
-    mem.add_row(Text("total", style="bold"), Text(human_bytes(sum(m.bytes for m in parts_only)),
-                                                  style="bold"),
+    mem.add_row(Text("total", style="bold"), Text(human_bytes(lines_total(memory)), style="bold"),
                 "sum of the lines above" + (" (an upper bound: they are not all alive at "
                                             "once)" if peaks else ""))
     for line in peaks:
