@@ -210,6 +210,47 @@ def test_sdpa_math_with_dropout_keeps_a_bool_mask_for_the_noise():
     assert len(cuda) == len(cpu)  # nothing else changes
 
 
+def test_sdpa_math_with_dropout_and_grouped_query_attention_keeps_a_mask_of_the_scores():
+    """With enable_gqa the scores have the queries' heads, not K's fewer ones: the mask was
+    made of the broadcast of the two head counts, which fails (--device cuda on llama-tiny
+    with dropout and the math kernel ended in the replay's error; found comparing per-layer
+    replays across presets)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(x):  # 4 query heads (x's 3 and one more), 2 K/V heads
+        q, kv = torch.cat([x, x[:, :1]], 1), x[:, :2] * 1
+        with sdpa_kernel(SDPBackend.MATH):
+            F.scaled_dot_product_attention(q, kv, kv, dropout_p=0.1, is_causal=True,
+                                           enable_gqa=True)
+
+    cpu = _saved(attend)
+    with as_cuda():
+        cuda = _saved(attend)
+
+    def kinds(saved):  # saved tensors of the scores' size, [B, 4, T, S]
+        return sorted(str(dtype) for shape, dtype in saved if math.prod(shape) == 2 * 4 * 8 * 8)
+
+    assert kinds(cpu) == ["torch.float32"] * 3
+    assert kinds(cuda) == ["torch.bool", "torch.float32", "torch.float32"]
+    assert ((2, 4, 8, 8), torch.bool) in cuda and len(cuda) == len(cpu)
+
+
+def test_params_device_cuda_math_kernel_with_grouped_query_attention(cli):
+    """llama-tiny (6 query heads, 3 K/V heads) with dropout on the math kernel: --device cuda
+    answers (it failed in the replay), its attention matrices 9 bytes per score element
+    against the CPU's 12, as for tfcli's multi-head models."""
+    elements = 2 * 2 * 6 * 16 * 16  # 2 layers' calls, B = 2, 6 heads, L = 16
+    args = ["params", "-p", "llama-tiny", "--set", "dropout=0.1", "--seq-len", "16",
+            "--batch-size", "2", "--attention-kernel", "math", "--json"]
+    per = {}
+    for device in ("cpu", "cuda"):
+        result = cli(*args, "--device", device)
+        assert result.exit_code == 0, result.stderr
+        lines = {m["name"]: m["bytes"] for m in json.loads(result.stdout)["memory"]}
+        per[device] = lines["activations: attention matrices"] / elements
+    assert per == {"cpu": 12, "cuda": 9}
+
+
 @pytest.mark.parametrize("length", [16, 8])
 def test_params_device_cuda_math_kernel_keeps_9_bytes_per_score(cli, length):
     """tiny (dropout 0.1, 6 attention calls: encoder, decoder self and cross, 2 layers each):

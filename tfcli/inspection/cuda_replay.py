@@ -327,8 +327,13 @@ def _math_only() -> bool:
 def _math_with_mask(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
     """SDPA's math kernel with a bool dropout mask of the scores' shape: it keeps the mask's
-    negation (1 B per element), as CUDA's native_dropout inside the kernel keeps its mask."""
-    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    negation (1 B per element), as CUDA's native_dropout inside the kernel keeps its mask.
+    With ``enable_gqa`` the kernel repeats K/V's fewer heads to the queries' count: the
+    scores have the queries' heads (the dimensions before the heads still broadcast)."""
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3:
+        batch = (*torch.broadcast_shapes(query.shape[:-3], key.shape[:-3]), query.shape[-3])
+    else:
+        batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     mask = torch.empty((*batch, query.shape[-2], key.shape[-2]), dtype=torch.bool,
                        device=query.device)
     if torch.is_autocast_enabled("cpu"):  # SDPA's own autocast entry, which this op lacks
