@@ -283,8 +283,9 @@ def test_fsdp_plan_agrees_with_fsdp_mem_tracker(tracked, name, n, b, s):
 
 def test_a_zero3_plan_of_tfclis_model_replays_the_whole_model_once(monkeypatch):
     """The activation lines and FSDP2's peak come from one replay of the whole model with each
-    layer marked as a unit (and the one- and two-layer replays that give a layer's share), not
-    from a plain replay and a marked one: marking changes nothing a plain replay answers."""
+    layer marked as a unit, which also gives a layer's share (its last layer's; one- and
+    two-layer replays gave it before), not from a plain replay and a marked one: marking
+    changes nothing a plain replay answers."""
     from tfcli.inspection import memory
     from tfcli.subjects.own import OwnSubject
 
@@ -298,11 +299,11 @@ def test_a_zero3_plan_of_tfclis_model_replays_the_whole_model_once(monkeypatch):
 
     monkeypatch.setattr(memory, "_replay_activations", counted)
     p = plan(cfg, Parallel(dp=4, zero=3), batch=2, seq_len=32)
-    assert sorted(depths) == [1, 2, 3] and p.peak is not None
+    assert depths == [3] and p.peak is not None
     sizes = {"B": 2, "S": 32, "T": 32, "L": 32}
     marked, _ = memory.estimate_activations(OwnSubject(cfg), sizes)  # remembered: no replay
     plain, _ = replay(OwnSubject(cfg), sizes, "fp32", None, "auto")
-    assert len(depths) == 3 and len(marked.unit_saved) == 3
+    assert len(depths) == 1 and len(marked.unit_saved) == 3
     assert (marked.peak_bytes, marked.saved_bytes, marked.held_output) == (
         plain.peak_bytes, plain.saved_bytes, plain.held_output)
 
@@ -362,6 +363,40 @@ def test_tp_activations_per_layer_agree_with_mem_tracker(tracked, name, t):
     assert len(measured) == cfg.n_decoder_layers
     for layer in measured:
         assert layer == pytest.approx(kept, rel=0.01)
+
+
+@pytest.mark.parametrize("preset,overrides,t,depth,device", [
+    ("tiny", {"dropout": 0.1}, 2, (2, 2), "cpu"),  # encoder-decoder: cross-attention reads
+    ("llama-tiny", {"n_decoder_layers": 3}, 1, (0, 3), "cpu"),  # GQA, rotary, a causal mask
+    ("gpt2-small", {"d_model": 32, "n_heads": 4, "d_ff": 64, "n_decoder_layers": 3,
+                    "tgt_vocab_size": 97, "max_seq_len": 64}, 2, (0, 2), "cuda")])
+def test_one_layer_is_the_difference_between_replays_at_one_and_two_layers(preset, overrides,
+                                                                          t, depth, device):
+    """A plan's per-layer activations are what the last layer of each stack saved in the
+    replay at the stage's depth (each layer a unit). They equal, to the byte, the difference
+    between whole replays of the share at one and at two layers per stack (what the plan
+    replayed for them before: two replays more per plan), and the rest is the peak at the
+    depth less its layers."""
+    from tfcli.inspection.memory import estimate_activations
+    from tfcli.model.presets import get_preset
+    from tfcli.parallel.activations import replay_share, share_config
+    from tfcli.subjects.own import OwnSubject
+
+    cfg = get_preset(preset).replace(**overrides)
+    sizes = {"B": 2, "S": 16, "T": 16, "L": 16}
+    stacks = cfg.has_encoder + cfg.has_decoder
+
+    def saved(n_enc: int, n_dec: int) -> tuple[int, int, int]:
+        est, _ = estimate_activations(OwnSubject(share_config(cfg, t, n_enc, n_dec)), sizes,
+                                      kernel="math", device=device)
+        return (sum(est.saved_bytes.values()), est.saved_bytes.get("attention matrices", 0),
+                est.peak_bytes)
+
+    one, two, at = saved(1, 1), saved(2, 2), saved(*depth)
+    rep = replay_share(cfg, t, 2, 16, kernel="math", depth=depth, device=device)
+    assert rep.per_layer == (two[0] - one[0]) // stacks > 0
+    assert rep.per_layer_attention == (two[1] - one[1]) // stacks > 0
+    assert rep.rest == at[2] - rep.per_layer * sum(depth)
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 Korthikanti et al. 2022 (Table 2) beside it as the cross-check.
 
 The replay (:func:`tfcli.inspection.memory.estimate_activations`) runs the share — heads, FFN
-width and vocabulary divided by t, the sequence by C — at the stage's depth, and at one and two
-layers per stack: what a layer saves grows exactly linearly, so the difference between those
-two is one layer, and the peak at the stage's depth less all its layers is the rest
-(embeddings, output, loss, backward's working set).
+width and vocabulary divided by t, the sequence by C — at the stage's depth, each layer a unit
+whose saved bytes it tells apart: the last layer of each stack is one layer, and the peak at
+the stage's depth less all its layers is the rest (embeddings, output, loss, backward's
+working set).
 Sequence parallelism, which the replay cannot run, removes what tensor parallelism leaves
 replicated in each residual sublayer (the norm's input and output, the dropout mask), t ways.
 """
@@ -57,7 +57,7 @@ def korthikanti_layer(s: int, b: int, h: int, a: int, t: int, sp: bool,
 
 @dataclass(frozen=True)
 class Replay:
-    """Replay of one rank's share at the stage's depth (and at one and two layers per stack)."""
+    """Replay of one rank's share at the stage's depth: one layer, and the rest."""
     per_layer: int  # bytes one layer saves for backward (the same in every layer)
     per_layer_attention: int  # of which [B, h, T, S] attention matrices
     rest: int  # the peak less all layers' saved bytes: embeddings, output, loss, working set
@@ -86,18 +86,23 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
                  mixed: str | None = None, kernel: str = "auto",
                  depth: tuple[int, int] = (1, 1), loop: str = "loss-only",
                  device: str = "cpu") -> Replay:
-    """Replays at ``depth`` (encoder, decoder layers), and at one and two layers per stack: the
-    saved bytes grow exactly linearly with layers, so the difference between one and two
-    layers is a layer wherever the stack stops (a difference taken at ``depth`` and
-    ``depth`` + 1 would replay the whole model twice); the peak at ``depth`` less its layers
-    is the rest (with ``loop`` "keep-output", the model's output held through backward too),
-    which the peak's moment makes no linear function of the depth. ``device``: whose code
-    paths (tfcli.inspection.cuda_replay). The shallow replays are remembered
-    (tfcli.inspection.memory), so plans of one model at several depths share them."""
+    """The replay at ``depth`` (encoder, decoder layers), every layer a unit whose saved
+    bytes the replay tells apart: one layer is what the last layer of each stack saved
+    (from the second layer on, each saves the same; the first also saves what the later ones
+    share, the masks and, in a decoder, the encoder's output its cross-attention reads).
+    Where a stack has one layer at ``depth``, a replay at two layers per stack gives it.
+    The peak at ``depth`` less its layers is the rest (with ``loop`` "keep-output", the
+    model's output held through backward too), which the peak's moment makes no linear
+    function of the depth. ``device``: whose code paths (tfcli.inspection.cuda_replay).
+    The replays are remembered (tfcli.inspection.memory), so plans of one model at several
+    depths, and its other lines, share them. The last layer's bytes equal the difference
+    between replays at one and two layers per stack, which this function took before
+    (tests/test_parallel.py holds them equal)."""
     from tfcli.inspection.memory import estimate_activations
     from tfcli.subjects.own import OwnSubject
 
     sizes = {"B": batch, "S": seq_len, "T": seq_len, "L": seq_len}
+    stacks = [n for n, present in zip(depth, (cfg.has_encoder, cfg.has_decoder)) if present]
 
     def run(n_enc: int, n_dec: int):
         subject = OwnSubject(share_config(cfg, t, n_enc, n_dec))
@@ -105,16 +110,16 @@ def replay_share(cfg: Config, t: int, batch: int, seq_len: int, dtype: str = "fp
                                     device=device)
 
     at, how = run(*depth)
-    one, _ = run(1, 1)
-    two, _ = run(2, 2)
-    stacks = cfg.has_encoder + cfg.has_decoder
-    layers = depth[0] * cfg.has_encoder + depth[1] * cfg.has_decoder
-    saved = lambda e, kind=None: (sum(e.saved_bytes.values()) if kind is None  # noqa: E731
-                                  else e.saved_bytes.get(kind, 0))
-    # an encoder-decoder adds an encoder and a decoder layer: share the difference between them
-    per_layer = (saved(two) - saved(one)) // stacks
-    per_attn = (saved(two, "attention matrices") - saved(one, "attention matrices")) // stacks
-    rest = at.peak_bytes - per_layer * layers
+    layered = at if min(stacks) >= 2 else run(2, 2)[0]
+    per_stack = stacks if layered is at else [2] * len(stacks)
+    lasts = [sum(per_stack[:i + 1]) - 1 for i in range(len(per_stack))]  # units in order
+    saved = lambda unit, kind=None: (sum(layered.unit_saved[unit].values())  # noqa: E731
+                                     if kind is None else
+                                     layered.unit_saved[unit].get(kind, 0))
+    # an encoder-decoder's layer: the mean of an encoder and a decoder layer
+    per_layer = sum(saved(u) for u in lasts) // len(lasts)
+    per_attn = sum(saved(u, "attention matrices") for u in lasts) // len(lasts)
+    rest = at.peak_bytes - per_layer * sum(stacks)
     return Replay(per_layer, per_attn, rest, how + (f", one rank's share (h/{t}, d_ff/{t}, V/{t})"
                                                      if t > 1 else ""), at.held_output)
 
