@@ -102,13 +102,16 @@ def flop_counting():
     is filled in on exit."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+    from tfcli.subjects.hf_moe import counting_products
+
     extra = _extra_formulas()
     report = CounterReport(0, 0)
     recorder = _OpRecorder()
     counter = FlopCounterMode(display=False, custom_mapping=extra)
     # torch 2.13's attribute; were it renamed, the hooks would come back, the counts stay
     counter.mod_tracker = _GlobalOnly()
-    with counter, recorder:
+    # experts without values as the eager loop: products FlopCounterMode has formulas for
+    with counter, recorder, counting_products():
         yield report
     by_op = counter.get_flop_counts().get("Global", {})
     packets = {op.overloadpacket for op in recorder.ops}

@@ -179,6 +179,7 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
     return one event per module call. ``causal_half`` halves the attention FLOPs of calls
     with ``is_causal=True`` and of attention inside modules ``is_causal_scope`` names."""
     from tfcli.subjects.base import Inputs, check_rows, positions_known
+    from tfcli.subjects.hf_moe import counting_products
 
     call = inputs if isinstance(inputs, Inputs) else Inputs((), dict(inputs))
     containers = (nn.ModuleList, nn.ModuleDict)
@@ -230,7 +231,9 @@ def trace(model: nn.Module, inputs, causal_half: bool = False,
             handles.append(module.register_forward_hook(
                 lambda m, a, kw, out, path=path: post(path, m, a, kw, out), with_kwargs=True))
         try:
-            with OpObserver(on_op, every_formula=True), positions_known():
+            # experts without values as the eager loop, whose products the counters see
+            with OpObserver(on_op, every_formula=True), positions_known(), \
+                    counting_products():
                 output = [call(model)]
             release(output, "as its forward pass's output was freed")
         except TfcliError:

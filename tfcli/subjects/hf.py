@@ -309,10 +309,14 @@ class HFSubject(Subject):
 
     def assumptions(self, sizes: dict[str, int] | None = None) -> list[str]:
         out = []
-        if self.has_experts:
+        if self.has_experts and hf_moe.replays_grouped(self.experts_real):
+            out.append("mixture of experts: the experts replayed as Transformers' grouped_mm "
+                       "runs them, one grouped product over the B·L·k token slots (its memory "
+                       "does not depend on the routing)")
+        elif self.has_experts:
             out.append("mixture of experts: routing assumed uniform, each of E experts gets "
                        "B·L·k/E token slots (the experts' FLOPs and saved activations do not "
-                       "depend on it)")
+                       "depend on it; the eager loop's backward working set can)")
         if sizes and self._interpolates(sizes):
             h, w = self._image_size()
             out.append(f"images of {sizes['H']} x {sizes['W']}, not the configuration's "
@@ -589,7 +593,10 @@ class HFSubject(Subject):
         if self.has_experts:
             out["experts_implementation"] = {"real_tensors": self.experts_real,
                                              "transformers_runs": self.experts_default,
-                                             "meta_and_fake_tensors": hf_moe.REPLAY}
+                                             "meta_and_fake_tensors": (
+                                                 hf_moe.GROUPED_REPLAY
+                                                 if hf_moe.replays_grouped(self.experts_real)
+                                                 else hf_moe.REPLAY)}
         return out
 
 

@@ -7,14 +7,30 @@ FlopCounterMode counts as 0), ``batched_mm`` (gathers a weight copy per token: m
 run spends), or ``eager`` (a loop over the experts that the routing picked: it reads values).
 None of them runs on meta and fake tensors as the real ones run.
 
-tfcli registers one implementation per real one, ``tfcli|NAME``: on tensors without values
-it replays the experts under uniform routing (:mod:`tfcli.inspection.moe`) as eager runs them
-— per expert, its share of the token slots through its own slice of the weights with
-``F.linear``, gated, and back — so shapes, FLOPs (every token still meets k experts) and the
-activations saved for backward are those of a real run; on real tensors it runs NAME itself.
+tfcli registers one implementation per real one, ``tfcli|NAME``; on real tensors it runs NAME
+itself. On tensors without values:
+
+- for ``grouped_mm``, the memory replays run Transformers' own grouped_mm forward, its products
+  through the fallback kernel Transformers ships beside it (``transformers::grouped_mm_fallback``,
+  whose fake kernel runs on meta and fake tensors of any dtype): the same tensors as torch's
+  grouped product, one output per product forward, one input gradient and one gradient of the
+  stacked weights backward. Its memory does not depend on the routing: a real CPU step of
+  Mixtral, Qwen2-MoE or DeepSeek-V3 under the profiler peaks within 64 B of the replay
+  (tests/test_moe.py; Qwen3-MoE, OLMoE, GPT-OSS, GraniteMoE and PhiMoE too, measured), where
+  the eager loop below, run for memory, was 20-36 % over it (a gradient of every stacked
+  weight, full size, per expert in backward), and a forward without grad 28 % under it;
+- otherwise, and wherever FLOPs and shapes are traced (:func:`counting_products`), the experts
+  replay under uniform routing (:mod:`tfcli.inspection.moe`) as eager runs them — per expert,
+  its share of the token slots through its own slice of the weights with ``F.linear``, gated,
+  and back — so shapes, FLOPs (every token still meets k experts) and the activations saved
+  for backward are those of a real run (the eager loop's backward working set depends on the
+  routing, which a replay cannot know).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +62,59 @@ def has_values(t: Tensor) -> bool:
 
 PREFIX = "tfcli|"
 REPLAY = "eager loop under uniform routing (tfcli's replay: meta and fake tensors hold no values)"
+GROUPED_REPLAY = ("Transformers' grouped_mm forward, its products through Transformers' "
+                  "grouped_mm_fallback kernel (one grouped product over the B·L·k token slots: "
+                  "its memory does not depend on the routing); FLOPs and shapes traced by the "
+                  + REPLAY.split(" (")[0])
+_COUNTING = contextvars.ContextVar("tfcli_counting_products", default=False)
+
+
+@contextlib.contextmanager
+def counting_products():
+    """Inside: experts without values replay as the eager loop, whose per-expert ``F.linear``
+    calls the FLOP tracer and torch's FlopCounterMode both see (a grouped product is opaque
+    to FlopCounterMode, which counts it as 0)."""
+    token = _COUNTING.set(True)
+    try:
+        yield
+    finally:
+        _COUNTING.reset(token)
+
+
+def grouped_replay_available() -> bool:
+    """Whether Transformers has the grouped_mm forward and its fallback kernel to replay it
+    with (Transformers 5; the fallback appeared beside grouped_mm)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return False
+    return (callable(getattr(moe, "_can_use_grouped_mm", None))
+            and hasattr(torch.ops, "transformers")
+            and hasattr(torch.ops.transformers, "grouped_mm_fallback"))
+
+
+def _fallback_without_values() -> None:
+    """Route Transformers' grouped products on tensors without values to its fallback kernel
+    (torch's grouped_mm has a meta kernel for bfloat16 only, and asks a CUDA device it cannot
+    see for its capability); on real tensors Transformers chooses as before."""
+    from transformers.integrations import moe
+
+    chooses = moe._can_use_grouped_mm
+    if getattr(chooses, "tfcli_wrapped", False):
+        return
+
+    def can_use_grouped_mm(input: Tensor, weight: Tensor, offs: Tensor) -> bool:
+        if not has_values(weight):
+            return False
+        return chooses(input, weight, offs)
+
+    can_use_grouped_mm.tfcli_wrapped = True
+    moe._can_use_grouped_mm = can_use_grouped_mm
+
+
+def replays_grouped(real: str | None) -> bool:
+    """Whether the memory replays of ``real``'s experts run the grouped product."""
+    return real_name(real) == "grouped_mm" and grouped_replay_available()
 
 
 def _expert_linear(x: Tensor, stacked: Tensor, bias: Tensor | None, e: int,
@@ -80,9 +149,18 @@ def uniform_replay(experts: nn.Module, hidden: Tensor, top_k_index: Tensor,
 
 
 def _with_replay(real: str):
+    grouped = replays_grouped(real)
+    if grouped:
+        _fallback_without_values()
+
     def forward(experts: nn.Module, hidden: Tensor, top_k_index: Tensor,
                 top_k_weights: Tensor) -> Tensor:
         if not has_values(hidden):
+            if grouped and not _COUNTING.get():
+                from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+                return ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, hidden, top_k_index,
+                                                           top_k_weights)
             return uniform_replay(experts, hidden, top_k_index, top_k_weights)
         if real == "eager":  # the class's own loop, which the decorator wrapped
             return type(experts).forward.__wrapped__(experts, hidden, top_k_index,
