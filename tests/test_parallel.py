@@ -1212,19 +1212,21 @@ def test_the_measured_step_is_the_step_after_a_real_one(fake_world):
 @pytest.mark.parametrize("n,b,s,precision", MIXTRAL_CASES)
 def test_traced_fsdp_peak_of_a_two_layer_moe_model(traced_fsdp, n, b, s, precision):
     """Transformers' Mixtral, two layers of eight experts run as Transformers' grouped_mm
-    runs them (one gradient of each stacked weight in backward): the peak within 1.5 % of
-    FSDPMemTracker's (measured -0.07 % at N = 8, 2 x 64, a layer's backward; -1.07 % at
-    N = 4, 1 x 16 under fsdp-mixed, where the tracker's peak is the optimizer step, a moment
-    the traced plan does not have). Both ran the eager loop's replay before (a full-size
+    runs them (one gradient of each stacked weight in backward): the peak within 1 % of
+    FSDPMemTracker's, inside a layer's backward (measured -0.07 % at N = 8, 2 x 64; -0.83 %
+    at N = 4, 1 x 16 under fsdp-mixed). Both ran the eager loop's replay before (a full-size
     gradient of every stacked weight per expert): within 0.1 % of each other, and 11-19 %
-    above what the tracker shows now."""
+    above what the tracker shows now. At 1 x 16 the tracker's figure was the measuring
+    harness's own warm-up (a zero gradient for every parameter beside the optimizer state
+    it makes: 5,528,852 B against the step's 5,515,260), until that warm-up was tracked in a
+    context of its own."""
     from tfcli.parallel.traced import TracedModel
 
     measured = traced_fsdp["measured"][f"mixtral/{n}/{b}x{s}/{precision}"]
     p = TracedModel(_subject(["--model", f"hf:{MIXTRAL}"])).plan(
         Parallel(dp=n, zero=3), {"B": b, "S": s, "T": s, "L": s},
         precision=precision or "autocast")
-    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.015), p.peak.moments
+    assert p.peak.bytes == pytest.approx(measured["peak"]["Total"], rel=0.01), p.peak.moments
 
 
 @pytest.mark.parametrize("n,b,s", LOSS_PEAK_CASES)

@@ -183,9 +183,11 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
              precision: str | None = None, foreach: bool | None = None) -> list[dict]:
     """One model sharded once, and under FSDPMemTracker a steady-state training step at each
     of ``sizes`` in turn: before the first, the model and optimizer brought to where a step
-    leaves them (_as_after_a_step: no forward or backward run for it); at each size one
-    measured step, the tracker entered again (which starts its peak afresh) with the
-    optimizer state it already knows. Each size's figures equal, category by category and to
+    leaves them (_as_after_a_step: no forward or backward run for it, under the tracker but
+    entered apart, so that what it holds — a zero gradient for every parameter beside the
+    optimizer state it makes — is not the first size's peak); at each size one measured
+    step, the tracker entered again (which starts its peak afresh) with the optimizer state
+    it already knows. Each size's figures equal, category by category and to
     the byte, those of real steps (a first step, then the measured one; compared on every
     tracker case of tests/test_parallel.py when this was written, and held so by its
     test_the_measured_step_is_the_step_after_a_real_one), for a step less.
@@ -215,9 +217,10 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
                 inputs = subject.step_inputs(model, at, "cpu")
                 tracker.track_inputs(tuple(inputs.tensors()))
                 snapshots = {}
-                with tracker:
-                    if first:
+                if first:  # in a context of its own: its peak is not the step's
+                    with tracker:
                         _as_after_a_step(model, optimizer, tracker)
+                with tracker:
                     with amp():
                         loss = subject.loss(inputs(model))
                     loss.backward()
