@@ -5,7 +5,8 @@ picks how they run by name, ``config._experts_implementation``, at every call: `
 (its default: one grouped product whose meta kernel takes bfloat16 only, and which torch's
 FlopCounterMode counts as 0), ``batched_mm`` (gathers a weight copy per token: memory no real
 run spends), or ``eager`` (a loop over the experts that the routing picked: it reads values).
-None of them runs on meta and fake tensors as the real ones run.
+None of them runs as it is on meta and fake tensors (grouped_mm's products do, through
+the fallback kernel Transformers registers beside it).
 
 tfcli registers one implementation per real one, ``tfcli|NAME``; on real tensors it runs NAME
 itself. On tensors without values:
@@ -17,8 +18,9 @@ itself. On tensors without values:
   stacked weights backward. Its memory does not depend on the routing: a real CPU step of
   Mixtral, Qwen2-MoE or DeepSeek-V3 under the profiler peaks within 64 B of the replay
   (tests/test_moe.py; Qwen3-MoE, OLMoE, GPT-OSS, GraniteMoE and PhiMoE too, measured), where
-  the eager loop below, run for memory, was 20-36 % over it (a gradient of every stacked
-  weight, full size, per expert in backward), and a forward without grad 28 % under it;
+  the eager loop below, run for memory, was 20-36 % over it at 2 x 32 to 2 x 96 (a gradient
+  of every stacked weight, full size, per expert in backward; Mixtral at 4 x 128 0.4 %
+  under), and a forward without grad 28 % under it;
 - otherwise, and wherever FLOPs and shapes are traced (:func:`counting_products`), the experts
   replay under uniform routing (:mod:`tfcli.inspection.moe`) as eager runs them — per expert,
   its share of the token slots through its own slice of the weights with ``F.linear``, gated,
