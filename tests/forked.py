@@ -78,7 +78,8 @@ while True:
             runpy._run_module_as_main(what)  # what -m does
         else:
             sys.argv = ["-c", *args]
-            exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
+            from tfcli._stack import on_a_wide_stack  # as tfcli's console script runs
+            on_a_wide_stack(exec, compile(what, "<string>", "exec"), {"__name__": "__main__"})
         sys.exit(0)  # past the loop: the interpreter ends as any does
     for fd in fds:
         os.close(fd)

@@ -87,10 +87,11 @@ def main() -> None:
         signal.signal(signal.SIGHUP, _while_starting)
     if "torch" not in sys.modules:
         sys.meta_path.insert(0, _TorchLoad())
+    from tfcli._stack import on_a_wide_stack
     from tfcli.cli import main as run
 
     try:
-        run()
+        on_a_wide_stack(run)
     finally:
         _drop_unwritable_stderr()
 
