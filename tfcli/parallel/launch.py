@@ -91,7 +91,9 @@ def _entry(spec: dict) -> int:
         err.write_text(traceback.format_exc())
         return 1
     try:
-        result = fn(rank, world, *spec["args"])
+        from tfcli._stack import on_a_wide_stack
+
+        result = on_a_wide_stack(fn, rank, world, *spec["args"])  # as the console script runs
         path = out / f"rank{rank}.json"
         path.with_suffix(".tmp").write_text(json.dumps(result))
         path.with_suffix(".tmp").replace(path)
