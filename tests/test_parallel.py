@@ -1628,6 +1628,35 @@ def test_a_search_along_a_size_the_inputs_lack_is_refused(cli, tmp_path):
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("need,answer,most", [
+    # the ViT's step (examples/vit-tiny, dp=2,zero=3, 64 MiB less its reserve): a moment that
+    # grows 40,200 B an image makes the peak up to B = 2, the activations' 199,104 B beyond
+    (lambda b: max(2_492_076 + 40_200 * b, 2_073_780 + 199_104 * b), 292, 6),
+    (lambda b: 1_000_000 + 4_096 * b, 14_501, 4),  # affine: the first line is the answer
+    (lambda b: 1_000_000 + 300 * b * b, 444, 30),  # quadratic: lines keep falling short
+    (lambda b: 60_397_978 if b <= 9 else 10**9, 9, 16),  # a cliff: bisection finds it
+])
+def test_the_batch_search_replays_few_sizes_and_confirms_its_answer(need, answer, most):
+    """tfcli.parallel.fit.fit, the training plans' --fit search: the largest batch whose need
+    is within the capacity, the answer and the answer + 1 among the sizes evaluated, in a
+    handful of evaluations where the need is linear or piecewise linear in the batch (as a
+    step's peak is: the largest of moments that each grow linearly). The search it replaced
+    galloped from its first prediction: 21 replays for the ViT's plan (4, 33 and 9 for the
+    others)."""
+    from tfcli.parallel.fit import fit
+
+    capacity, seen = 60_397_978, {}
+
+    def evaluate(b: int) -> int:
+        seen[b] = need(b)
+        return seen[b]
+
+    truth = max(b for b in range(1, 20_000) if need(b) <= capacity)
+    assert fit(evaluate, capacity, 1, 1 << 16) == truth == answer
+    assert seen[answer] <= capacity < seen[answer + 1]
+    assert len(seen) <= most, sorted(seen)
+
+
 def test_a_length_search_says_when_the_model_stops_it(cli):
     """Whisper takes 48 target positions: --fit seq-len ended in the model's failure at its
     first length (64, exit 1) whatever the device. Lengths the model refuses now count as not

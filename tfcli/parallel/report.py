@@ -73,7 +73,8 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                                     "the model's max_seq_len: a longer one needs --set "
                                     "max_seq_len"),
                        "searched": "the per-rank peak of a step, assumed to grow with "
-                                   f"{fit_what}: extrapolated, then galloping and bisection"
+                                   f"{fit_what}: the line through two replays predicts the "
+                                   "boundary, the answer and the answer + 1 are replayed"
                                    + (steps_words(step, par.cp) if fit_what == "seq-len"
                                       else "")}
     return data

@@ -815,7 +815,8 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                                     "the plan's limit for a model without a known length "
                                     "limit"),
                        "searched": "the per-rank peak of a step, assumed to grow with "
-                                   f"{fit_what}: extrapolated, then galloping and bisection"
+                                   f"{fit_what}: the line through two replays predicts the "
+                                   "boundary, the answer and the answer + 1 are replayed"
                                    + (steps_words(step, unit) if fit_what == "seq-len"
                                       else "")}
     return data
