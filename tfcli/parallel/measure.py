@@ -69,18 +69,22 @@ def _largest(tracker) -> dict[str, int]:
 
 
 def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
-                     reshard_after_forward: bool = True) -> list[dict[str, dict]]:
+                     reshard_after_forward: bool = True,
+                     root_default: bool = False) -> list[dict[str, dict]]:
     """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks, at each (batch, length)
     of ``sizes`` in turn (see _tracked): ``after_backward`` (all sharded gradients present)
     and ``peak``, each {category: bytes} as the tracker names them ("Sharded Param",
     "Sharded Grad", "OptState", "Unsharded Param", "All Gather", ...).
     ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
-    FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole)."""
+    FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole).
+    ``root_default``: the root unit as fully_shard leaves it, gathered from forward to
+    backward (else resharded like the layers)."""
     from tfcli.model.transformer import build_model
     from tfcli.subjects.own import OwnSubject, layers
 
     return _tracked(OwnSubject(cfg), lambda: build_model(cfg, "cpu"), layers, world,
-                    [{"B": b, "S": n, "T": n} for b, n in sizes], reshard_after_forward)
+                    [{"B": b, "S": n, "T": n} for b, n in sizes], reshard_after_forward,
+                    root_default)
 
 
 def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[dict[str, int]],
