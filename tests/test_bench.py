@@ -506,3 +506,25 @@ def test_csv_carries_reliability(cli, tmp_path):
     assert float(rows[0]["fit_ci95_low"]) <= float(rows[0]["fit_ci95_high"])
     assert rows[0]["fit_time_exponent"] != ""
     assert rows[0]["fit_reliable"] in ("True", "False")
+
+
+def test_the_exponents_interval_is_a_bootstrap_of_the_medians():
+    """bootstrap_ci (every round at once, as tensors) against the percentile bootstrap written
+    out a round at a time with Python's statistics.median: the same interval within what two
+    streams of random draws make differ; exact samples give the exact exponent."""
+    import random
+    import statistics
+
+    from tfcli.bench.fit import bootstrap_ci, loglog_slope
+
+    xs = [16, 32, 64, 128]
+    assert bootstrap_ci(xs, [[float(x * x)] * 5 for x in xs]) == pytest.approx([2.0, 2.0])
+    rng = random.Random(7)
+    samples = [[rng.uniform(0.8, 1.2) * x ** 1.5 for _ in range(6)] for x in xs]
+    draws = random.Random(0)
+    slopes = sorted(loglog_slope(xs, [statistics.median(draws.choices(s, k=len(s)))
+                                      for s in samples]) for _ in range(4000))
+    reference = [slopes[int(0.025 * 3999)], slopes[int(round(0.975 * 3999))]]
+    assert bootstrap_ci(xs, samples, rounds=4000) == pytest.approx(reference, abs=0.01)
+    assert bootstrap_ci([16, 16], [[1.0], [2.0]]) is None  # one length
+    assert bootstrap_ci(xs, [[1.0], [2.0], [0.0], [4.0]]) is None  # no time at one length

@@ -33,20 +33,24 @@ def bootstrap_ci(xs: list[float], samples: list[list[float]], rounds: int = 1000
                  seed: int = 0) -> list[float] | None:
     """95 % interval of the slope of log(median) on log(x) when each point's samples are
     re-drawn with replacement (a percentile bootstrap): how far measuring again could move the
-    exponent. It says nothing about whether a power law fits. None without two lengths."""
-    import random
-    import statistics
+    exponent. It says nothing about whether a power law fits. None without two lengths.
+    Every round at once, as tensors (a round at a time in Python took 15 ms for four lengths
+    of 15 samples; bench computes one per series)."""
+    import torch
 
-    if len(set(xs)) < 2 or any(not s for s in samples):
+    samples = [[v for v in s if v > 0] for s in samples]  # a time of zero is no measurement
+    if len(set(xs)) < 2 or any(not s for s in samples) or any(not x > 0 for x in xs):
         return None
-    rng = random.Random(seed)
-    slopes = []
-    for _ in range(rounds):
-        medians = [statistics.median(rng.choices(s, k=len(s))) for s in samples]
-        slope = loglog_slope(xs, medians)
-        if slope is not None:
-            slopes.append(slope)
-    if not slopes:
-        return None
-    slopes.sort()
+    generator = torch.Generator().manual_seed(seed)
+    medians = []
+    for s in samples:
+        values = torch.tensor(s, dtype=torch.float64)
+        drawn = values[torch.randint(len(s), (rounds, len(s)), generator=generator)]
+        medians.append(drawn.quantile(0.5, dim=1))  # as statistics.median: an even count's
+        # middle two averaged
+    y = torch.stack(medians, dim=1).log()  # rounds x lengths
+    x = torch.tensor(xs, dtype=torch.float64).log()
+    dx = x - x.mean()
+    slopes = ((y - y.mean(dim=1, keepdim=True)) * dx).sum(dim=1) / (dx * dx).sum()
+    slopes = slopes.sort().values.tolist()
     return [slopes[int(0.025 * (len(slopes) - 1))], slopes[int(round(0.975 * (len(slopes) - 1)))]]
