@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +245,15 @@ def _matrices_left_for_xavier():
     return initialisers_skipping(lambda tensor: tensor.dim() > 1)
 
 
+def _holds_values(t: Tensor) -> bool:
+    """Whether ``t`` has numbers to draw: not on meta, not a fake tensor (a replay builds the
+    model under FakeTensorMode: a draw there is a dispatch that changes nothing, ~0.1 ms a
+    matrix, 23,000 of them in the test suite). Fake tensors exist only once torch's fake-tensor
+    module is loaded."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return t.device.type != "meta" and not (fake is not None and fake.is_fake(t))
+
+
 class Transformer(nn.Module):
     """Encoder-decoder, decoder-only (n_encoder_layers=0) or encoder-only (n_decoder_layers=0).
 
@@ -275,8 +285,9 @@ class Transformer(nn.Module):
 
     def _reset_parameters(self) -> None:
         for p in self.parameters():
-            if p.dim() > 1:
+            if p.dim() > 1 and _holds_values(p):
                 nn.init.xavier_uniform_(p)  # as torch.nn.Transformer and the Annotated Transformer
+
 
     def _tie_weights(self) -> None:
         tie = self.cfg.tie_embeddings
