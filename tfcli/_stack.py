@@ -1,14 +1,14 @@
 """Run a call on a wide stretch of Python's frame stack, so that deep call stacks do not keep
 asking the kernel for memory.
 
-CPython 3.11 and 3.12 keep a thread's frames in chunks of 16 KiB, each mapped with ``mmap``
-when a call needs the next one and unmapped as soon as the call that needed it returns
-(CPython gh-142183, fixed in 2026 by keeping one chunk cached, in 3.14 and 3.13's later
-releases). A replay on fake tensors goes
-deep (the model, autograd, torch's dispatch modes, FakeTensorMode's own Python) and crosses a
-chunk's edge back and forth thousands of times a second; each crossing is an ``mmap``, its
-page faults and a ``munmap`` (about 6 µs here: 20,000 calls 150 deep take 0.25 s instead of
-0.11 s; tests/test_zoo.py and tests/test_subjects.py spend 2.8 s in the kernel instead of 1.0).
+CPython 3.11 and 3.12 (and 3.13 before the fix) keep a thread's frames in chunks of 16 KiB,
+each mapped with ``mmap`` when a call needs the next one and unmapped as soon as the call that
+needed it returns (CPython gh-142183, fixed in 2026 by keeping one chunk cached, in 3.14 and
+3.13's later releases). A replay on fake tensors goes deep (the model, autograd, torch's
+dispatch modes, FakeTensorMode's own Python) and crosses a chunk's edge back and forth
+thousands of times a second; each crossing is an ``mmap``, its page faults and a ``munmap``
+(about 6 µs here: 20,000 calls 150 deep take 0.25 s instead of 0.11 s; tests/test_zoo.py and
+tests/test_subjects.py spend 2.8 s in the kernel instead of 1.0).
 
 A frame that needs more than one chunk gets a chunk of its own, the next power of two above
 its size, and the calls it makes use the rest of that chunk. :func:`on_a_wide_stack` calls

@@ -288,7 +288,6 @@ class Transformer(nn.Module):
             if p.dim() > 1 and _holds_values(p):
                 nn.init.xavier_uniform_(p)  # as torch.nn.Transformer and the Annotated Transformer
 
-
     def _tie_weights(self) -> None:
         tie = self.cfg.tie_embeddings
         if tie in ("src_tgt", "all"):

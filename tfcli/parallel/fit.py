@@ -110,6 +110,11 @@ def device_budget(device_memory: str, reserve: str | None = None) -> Budget:
     return Budget(capacity, label, kept, how)
 
 
+# How a training plan's --fit searched, as its JSON says
+SEARCHED = ("the per-rank peak of a step, assumed to grow with {what}: the line through two "
+            "replays predicts the boundary, the answer and the answer + 1 are replayed")
+
+
 def fit(evaluate: Callable[[int], int], capacity: int, low: int, high: int) -> int | None:
     """The largest x in [low, high] with evaluate(x) <= capacity, assuming memory grows with x;
     None when even ``low`` does not fit. :func:`fit_confirmed`'s search: a training step's

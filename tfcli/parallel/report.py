@@ -4,7 +4,7 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.parallel.fit import device_budget, fit, fit_length
+from tfcli.parallel.fit import SEARCHED, device_budget, fit, fit_length
 from tfcli.parallel.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -72,9 +72,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
                                     if cfg.positional == "none" else
                                     "the model's max_seq_len: a longer one needs --set "
                                     "max_seq_len"),
-                       "searched": "the per-rank peak of a step, assumed to grow with "
-                                   f"{fit_what}: the line through two replays predicts the "
-                                   "boundary, the answer and the answer + 1 are replayed"
+                       "searched": SEARCHED.format(what=fit_what)
                                    + (steps_words(step, par.cp) if fit_what == "seq-len"
                                       else "")}
     return data

@@ -684,7 +684,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size; ``tp_plan``: --tp-plan's
     text (tfcli.parallel.tensor)."""
-    from tfcli.parallel.fit import fit, fit_length, parse_device_memory
+    from tfcli.parallel.fit import SEARCHED, fit, fit_length, parse_device_memory
     from tfcli.parallel.layout import parse_parallel
     from tfcli.parallel.report import FIT, check_request, fit_replays, steps_words
 
@@ -814,9 +814,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
                                     if limit == positions else
                                     "the plan's limit for a model without a known length "
                                     "limit"),
-                       "searched": "the per-rank peak of a step, assumed to grow with "
-                                   f"{fit_what}: the line through two replays predicts the "
-                                   "boundary, the answer and the answer + 1 are replayed"
+                       "searched": SEARCHED.format(what=fit_what)
                                    + (steps_words(step, unit) if fit_what == "seq-len"
                                       else "")}
     return data
