@@ -259,7 +259,6 @@ def _objects() -> int:
     return sys.getallocatedblocks()
 
 
-
 # --- the frame stack ---------------------------------------------------------------------------
 # The tests run as tfcli's console script runs its commands: on a wide stretch of Python's frame
 # stack (tfcli/_stack.py), where deep replays do not map and unmap a 16 KiB chunk of it at each

@@ -12,7 +12,6 @@ import pytest
 from tfcli._stack import on_a_wide_stack
 
 
-
 def _down(n: int) -> int:
     return 0 if n == 0 else _down(n - 1) + 1
 
