@@ -4,9 +4,12 @@ smoke run, forked children: conftest.ForkedProcesses)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from benchmarks.conftest import PYTHON, TFCLI
+from benchmarks.conftest import PYTHON, TFCLI, runs, write_once
 
 BIG = ["--preset", "vaswani-big"]
 SEVEN_B = ["--preset", "gpt2-small", "--set", "n_decoder_layers=32", "--set", "d_model=4096",
@@ -34,6 +37,7 @@ SHAPES_MISS = pytest.mark.xfail(
     "imports torch._dynamo (~0.9 s in torch 2.13); measured ~1.45 s beyond import torch")
 
 
+@runs(lambda command: [TFCLI + [command] + BIG])
 @pytest.mark.parametrize("command", ["params", "shapes"])
 def test_big_model_inspection(benchmark, measuring, processes, request, command):
     if command == "shapes" and measuring:  # the memory half holds; the time half is a known miss
@@ -63,6 +67,7 @@ def _against_torchinfo(benchmark, processes, repeat: int = 3):
     return info_s / ours_s, info_mb / ours_mb
 
 
+@runs(lambda: [TFCLI + ["params"] + BIG, [PYTHON, "-c", TORCHINFO]])
 def test_params_smaller_than_torchinfo(benchmark, measuring, processes):
     # peak RSS hardly varies between runs: one of each in a smoke run
     _, memory_ratio = _against_torchinfo(benchmark, processes, 3 if measuring else 1)
@@ -79,6 +84,7 @@ def test_params_faster_than_torchinfo(benchmark, measuring, processes):
     assert speedup >= 3
 
 
+@runs(lambda command: [TFCLI + [command] + SEVEN_B])
 @pytest.mark.parametrize("command", ["params", "shapes"])
 def test_seven_b_inspection(benchmark, processes, command):
     seconds, mib = benchmark.pedantic(processes.best_of, args=(TFCLI + [command] + SEVEN_B, 1),
@@ -87,6 +93,7 @@ def test_seven_b_inspection(benchmark, processes, command):
     assert mib < 1024
 
 
+@runs(lambda: [TFCLI + ["--help"]])
 def test_help_startup(benchmark, measuring, processes):
     repeat = 5 if measuring else 1
     ours, _ = benchmark.pedantic(processes.best_of, args=(TFCLI + ["--help"], repeat), rounds=1,
@@ -101,20 +108,23 @@ LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+def _hf_seven_b(command: str, where) -> list[str]:
+    """``command`` on LLAMA_7B's config.json, written to ``where``."""
+    config = Path(where) / "llama-7b.json"
+    write_once(config, json.dumps(LLAMA_7B))
+    return TFCLI + [command, "--model", f"hf:{config}", "--depth", "1"]
+
+
+@runs(lambda command, where: [_hf_seven_b(command, where)])
 @pytest.mark.parametrize("command,limit_mib", [("params", 1024), ("shapes", 1536)])
-def test_hf_seven_b_config(benchmark, measuring, processes, tmp_path, command, limit_mib):
+def test_hf_seven_b_config(benchmark, measuring, processes, shared_dir, command, limit_mib):
     """Issue 10's targets: params within 3 s of importing torch and transformers and under
     1 GB; shapes under 1.5 GB (its time is recorded: 3.4 s beyond the imports measured on a
     quiet 2-core EPYC, about 1.8 s of which is Transformers importing Llama's modules)."""
-    import json
-
     pytest.importorskip("transformers")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(LLAMA_7B))
     repeat = 3 if measuring else 1
     ours_s, ours_mb = benchmark.pedantic(
-        processes.best_of,
-        args=(TFCLI + [command, "--model", f"hf:{config}", "--depth", "1"], repeat),
+        processes.best_of, args=(_hf_seven_b(command, shared_dir), repeat),
         rounds=1, iterations=1)
     base_s = processes.baseline([PYTHON, "-c", "import torch, transformers"], repeat)
     _record(benchmark, seconds=ours_s, peak_rss_mib=ours_mb, import_seconds=base_s,
@@ -149,25 +159,34 @@ class Many(nn.Module):
 MODULE_COUNTS = {"params": (12_500, 50_000), "shapes": (5_000, 20_000), "masks": (5_000, 20_000)}
 
 
+SMOKE_MODULES = 500  # a smoke run's module count: each command runs; nothing is measured
+
+
+def _many(command: str, where, n: int) -> list[str]:
+    """``command`` on Many(n), from a many.py in ``where``."""
+    write_once(Path(where) / "many.py", MANY)
+    feed = [] if command == "params" else ["--input", "x=float32[B,2]"]
+    return TFCLI + [command, "--model", f"{where}/many.py:Many", "--model-arg", f"n={n}", *feed]
+
+
+@runs(lambda command, where: [_many(command, where, SMOKE_MODULES)])
 @pytest.mark.parametrize("command", ["params", "shapes", "masks"])
-def test_cost_grows_linearly_in_modules(benchmark, measuring, processes, tmp_path, command):
+def test_cost_grows_linearly_in_modules(benchmark, measuring, processes, shared_dir, command):
     """Issue 25: params on a model of 50,000 modules within a few seconds of building it on
     meta (with 20,000 it gave no answer in 3 minutes while it compared every module with every
     parameter), and every command's cost beyond building linear in the module count. CPU
     seconds of fresh processes, less a process that imports the model and builds it on meta."""
-    (tmp_path / "many.py").write_text(MANY)
     build = ("import sys, torch; sys.path.insert(0, {where!r}); import many; "
              "torch.set_default_device('meta'); many.Many({n})")
-    feed = [] if command == "params" else ["--input", "x=float32[B,2]"]
 
     def beyond_building(n: int) -> float | None:
-        ours = processes.cpu_seconds(TFCLI + [command, "--model", f"{tmp_path}/many.py:Many",
-                                    "--model-arg", f"n={n}", *feed])
+        ours = processes.cpu_seconds(_many(command, shared_dir, n))
         if not measuring:  # a smoke run: the command runs; no baseline, no ratio
             return None
-        return ours - processes.cpu_seconds([PYTHON, "-c", build.format(where=str(tmp_path), n=n)])
+        return ours - processes.cpu_seconds([PYTHON, "-c", build.format(where=str(shared_dir),
+                                                                          n=n)])
 
-    sizes = MODULE_COUNTS[command] if measuring else (500,)
+    sizes = MODULE_COUNTS[command] if measuring else (SMOKE_MODULES,)
     beyond = benchmark.pedantic(lambda: {n: beyond_building(n) for n in sizes}, rounds=1,
                                 iterations=1)
     _record(benchmark, **{f"beyond_build_{n}_modules_cpu_s": s for n, s in beyond.items()})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.conftest import TFCLI
+from benchmarks.conftest import TFCLI, runs
 
 HUGE = ["--set", "max_seq_len=10000000"]
 # (command, sizes): params estimates activations (a fake-tensor replay) at B = 10^9.
@@ -20,12 +20,17 @@ def _record(benchmark, **figures):
     print("\n" + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
 
 
+def _huge_and_small(command: str) -> tuple[list[str], list[str]]:
+    base, batch = CASES[command]
+    return TFCLI + base + HUGE + [batch, "1000000000"], TFCLI + base + [batch, "1"]
+
+
+@runs(lambda command: list(_huge_and_small(command)))
 @pytest.mark.parametrize("command", list(CASES))
 def test_meta_memory_does_not_grow_with_sizes(benchmark, processes, command):
-    base, batch = CASES[command]
-    seconds, mib = benchmark.pedantic(
-        processes.best_of, args=(TFCLI + base + HUGE + [batch, "1000000000"], 1), rounds=1, iterations=1)
-    _, small_mib = processes.best_of(TFCLI + base + [batch, "1"], 1)
+    huge, small = _huge_and_small(command)
+    seconds, mib = benchmark.pedantic(processes.best_of, args=(huge, 1), rounds=1, iterations=1)
+    _, small_mib = processes.best_of(small, 1)
     _record(benchmark, seconds=seconds, peak_rss_mib=mib, small_sizes_mib=small_mib)
     assert mib < 500
     assert mib < small_mib + 50  # the sizes cost (almost) nothing beyond the same command small
