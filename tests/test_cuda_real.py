@@ -1,7 +1,8 @@
 """`params --seq-len --device cuda` held to CUDA itself: a real training step's
 ``torch.cuda.max_memory_allocated`` and torch's ``MemTracker`` on fake CUDA tensors (which needs a
-CUDA build: autograd on fake CUDA tensors asks for a device guard). Skipped where no CUDA device
-is present; the figures measured on an H200 are in the README ("Checked on a GPU")."""
+CUDA build and a device: autograd on fake CUDA tensors asks for a device guard, and without a
+device the engine fails, "hasPrimaryContext expects a valid device index"). Skipped where no
+CUDA device is present; the figures measured on an H200 are in the README ("Checked on a GPU")."""
 
 from __future__ import annotations
 
