@@ -78,6 +78,22 @@ def test_megatron_bytes_per_parameter(zero, per_param):
     assert states == pytest.approx(per_param * psi, abs=8)
 
 
+@pytest.mark.parametrize("precision", ["autocast", "fsdp-mixed", "zero-paper", "deepspeed",
+                                       "megatron"])
+@pytest.mark.parametrize("mixed", ["bf16", "fp16"])
+def test_each_model_state_line_names_the_dtype_of_its_bytes(precision, mixed):
+    """A line's words say the dtype its bytes per parameter are: under autocast and
+    fsdp-mixed the weights line said "bf16 weights: 4Ψ/N = 4 B" beside the policy's "fp32
+    weights" (found by a review of issue 21's done-when)."""
+    from tfcli.parallel.precision import policy, state_parts
+
+    width = {"fp32": 4, "bf16": 2, "fp16": 2}
+    for part in state_parts(policy(precision, "fp32", mixed), 3):
+        named = [dtype for dtype in width if f" {dtype} " in f" {part.what} "]
+        if part.per_param and named and "state(s)" not in part.what:
+            assert width[named[0]] == part.per_param, (precision, part)
+
+
 def test_fsdp_mixed_gathers_in_bf16_and_reduces_in_fp32():
     cfg = get_preset("gpt2-small")
     auto, mixed = (plan(cfg, Parallel(dp=8, zero=3), precision=p, mixed="bf16")

@@ -334,7 +334,9 @@ def params(
              "temporaries), fused (none); auto is what PyTorch picks on --device (CUDA: "
              "foreach, CPU: for-loop).")] = OptimizerImpl.auto,
     mixed_precision: Annotated[Mixed, typer.Option(
-        help="torch.autocast dtype: fp32 weights, grads and optimizer state; half activations."
+        help="The 16-bit dtype of a mixed-precision run. How weights, gradients and optimizer "
+             "state are kept is --precision's (its default, autocast: fp32 states, the "
+             "matrix products in this dtype, the residual stream between layers fp32)."
     )] = Mixed.none,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for activations.")] = 8,
     seq_len: Annotated[Optional[int], typer.Option(

@@ -146,7 +146,7 @@ class StateLine:
 def state_parts(pol: Policy, zero: int) -> list[StateLine]:
     """The model-state lines of ``pol`` at ``zero`` (lines of 0 B per parameter left out,
     except the three every plan has)."""
-    dt = pol.half or (pol.run_dtype if pol.weights != 4 else "fp32")
+    dt = "fp32" if pol.weights == 4 else pol.half or pol.run_dtype
     grad_dt = "fp32" if pol.grads == 4 else pol.half or pol.run_dtype
     out = [StateLine("weights", pol.weights, 3, f"{dt} weights"),
            StateLine("gradients", pol.grads, pol.grads_sharded_at, f"{grad_dt} gradients")]
