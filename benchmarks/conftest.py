@@ -174,11 +174,11 @@ while True:
 
     def _submit(self, args: list[str], first: bool) -> Future:
         assert args[0] == sys.executable and args[1] in ("-m", "-c"), args
-        with self._lock:
+        with self._lock:  # the reader thread pops what it answers
             ident = next(self._count)
             future = self._futures[ident] = Future()
-            self.server.stdin.write(json.dumps([ident, first, *args[1:]]) + "\n")
-            self.server.stdin.flush()
+        self.server.stdin.write(json.dumps([ident, first, *args[1:]]) + "\n")
+        self.server.stdin.flush()
         return future
 
     def ahead(self, commands: Iterable[list[str]]) -> None:

@@ -360,7 +360,9 @@ class _FusedRmsNorm(torch.autograd.Function):
     """``_fused_rms_norm`` as CUDA's kernel runs under autograd: one node that keeps the input,
     the weight and rstd (torch's derivative formula for it), and a backward that makes the
     input's and the weight's gradients and nothing the size of the input besides (the fused
-    backward kernel's; the replay's tensors are fake, so no value is computed)."""
+    backward kernel's; the replay's tensors are fake, so no value is computed). Its forward
+    takes the outputs' shapes and dtypes from torch's own composite, whose temporaries live
+    only while it runs."""
 
     @staticmethod
     def forward(ctx, input, normalized_shape, weight, eps):
