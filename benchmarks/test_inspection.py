@@ -108,6 +108,8 @@ LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
 def _hf_seven_b(command: str, where) -> list[str]:
     """``command`` on LLAMA_7B's config.json, written to ``where``."""
     config = Path(where) / "llama-7b.json"
