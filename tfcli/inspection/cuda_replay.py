@@ -26,8 +26,9 @@ each read from the torch that runs:
   autograd also keeps the normalised x · rstd before the gain (the input's size in fp32, each
   norm: two per layer of a Llama). Measured on fake CUDA tensors (a CUDA build of torch 2.14
   under a stub CUDA driver): tfcli's own llama-2-7b over 8 ranks at B = 1, L = 2048 was 5.18 %
-  over FSDPMemTracker, 67,108,864 B a layer, all of it those copies. Transformers' Llama
-  writes its norm out in plain ops, which both devices run alike.
+  over FSDPMemTracker: the activations 67,107,840 B a layer over, within 1 KiB of those
+  copies (two norms × B·L·d·4 B = 67,108,864 B). Transformers' Llama writes its norm out
+  in plain ops, which both devices run alike.
 
 What stays the CPU's: ops CUDA's autocast has that have no CPU kernel (``not_replayed``: they
 never run in a CPU replay; the CPU's flash attention op has its own autocast entry), the
