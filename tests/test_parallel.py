@@ -11,12 +11,12 @@ import json
 import resource
 from pathlib import Path
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import background
+import forked
 from fake_world import script
 from tfcli.parallel.plan import Parallel, parse_parallel, plan, stage_params
 from tfcli.errors import TfcliError
@@ -31,9 +31,10 @@ def _limited() -> None:
 
 
 def run_python(code: str, timeout: float) -> dict:
-    """The one JSON line ``code`` printed, run in a fresh interpreter (address space limited);
-    killed, and the job failed, past ``timeout`` seconds."""
-    result = background.run([sys.executable, "-c", textwrap.dedent(code)], timeout,
+    """The one JSON line ``code`` printed, run in a process of its own forked from one that
+    has imported torch (tests/forked.py; address space limited); killed, and the job failed,
+    past ``timeout`` seconds."""
+    result = background.run(forked.command("-c", textwrap.dedent(code)), timeout,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_limited)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -517,10 +518,12 @@ def gloo():
 
 @background.job("gloo", cost=15, waits=True)
 def _gloo() -> dict:
-    """In one fresh process: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
-    spawned, rendezvous on 127.0.0.1) for DDP, FSDP2 and tensor parallelism — each first
-    compared with a single-process step on the same weights and batch, then timed — and a
-    launch in which rank 1 fails while rank 0 waits in a collective."""
+    """In one process of its own: ``tfcli bench --nproc 2``'s machinery (two real gloo ranks,
+    forked from that process before it runs any torch op: how they start is not what the
+    parity and volume tests check) for DDP, FSDP2 and tensor parallelism — each first
+    compared with a single-process step on the same weights and batch, then timed — and
+    launches as the product makes them (each rank a fresh interpreter) in which rank 1 fails
+    while rank 0 waits in a collective, or hangs."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
     return run_python(f"""
         import json, os, time
@@ -531,8 +534,7 @@ def _gloo() -> dict:
         from tfcli.model.config import Config
         from tfcli.model.transformer import build_model
         out = {{"records": run({cfg!r}, 2, ["ddp", "fsdp", "tp"], "gloo", 4, [16], steps=2,
-                               timeout=120)}}
-        out["numel"] = sum(p.numel() for p in build_model(Config(**{cfg!r})).parameters())
+                               timeout=120, start="fork")}}
 
         def children():  # live processes whose parent is this one (ranks are subprocesses)
             alive = 0
@@ -544,13 +546,15 @@ def _gloo() -> dict:
                 alive += fields[0] != "Z" and int(fields[1]) == os.getpid()
             return alive
 
-        start = time.monotonic()
-        try:
-            run_ranks(fail_rank, 2, (1,), timeout=60)
-            out["fail"] = ["no error", None]
-        except RankError as err:
-            out["fail"] = [str(err), err.rank]
-        out["fail"] += [children(), time.monotonic() - start]
+        for how in ("fork", "exec"):  # forked while this process has run no torch op
+            start = time.monotonic()
+            try:
+                run_ranks(fail_rank, 2, (1,), timeout=60, start=how)
+                out[f"fail_{{how}}"] = ["no error", None]
+            except RankError as err:
+                out[f"fail_{{how}}"] = [str(err), err.rank]
+            out[f"fail_{{how}}"] += [children(), time.monotonic() - start]
+        out["numel"] = sum(p.numel() for p in build_model(Config(**{cfg!r})).parameters())
         start = time.monotonic()
         try:
             run_ranks(fail_rank, 2, (1, True), timeout=8)  # rank 1 hangs
@@ -588,10 +592,20 @@ def test_collective_volumes_per_strategy(gloo):
     assert by["tp"]["comm_counts"]["all_reduce"] > 0 and "allreduce_" not in by["tp"]["comm_bytes"]
 
 
-def test_a_failing_rank_ends_every_rank_and_is_named(gloo):
-    message, rank, alive, seconds = gloo["fail"]
+@pytest.mark.parametrize("how", ["exec", "fork"])
+def test_a_failing_rank_ends_every_rank_and_is_named(gloo, how):
+    """Fresh interpreters or forks of the caller (run_ranks' ``start``), the same verdict."""
+    message, rank, alive, seconds = gloo[f"fail_{how}"]
     assert rank == 1 and "rank 1 of 2 failed: RuntimeError: rank 1 failed on purpose" in message
     assert alive == 0 and seconds < 60
+
+
+def test_ranks_start_only_as_fresh_interpreters_or_forks():
+    from tfcli.parallel.launch import run_ranks
+    from tfcli.parallel.workers import fail_rank
+
+    with pytest.raises(ValueError, match="start='spawn': allowed: exec, fork"):
+        run_ranks(fail_rank, 2, (1,), start="spawn")
 
 
 def test_a_hung_rank_is_ended_at_the_timeout(gloo):

@@ -423,13 +423,18 @@ def _pipeline_ranks() -> list[list[dict]]:
     (Path(folder) / "config.json").write_text(json.dumps(RANK_LLAMA))
     _RANK_FOLDER.append(folder)
     cases = [[folder if model == "llama" else model, *sizes] for model, *sizes in RANK_CASES]
+    # The ranks are forked from the job's process (clean: it runs no torch op), which first
+    # imports what each rank would: they start without three imports of torch, pipelining and
+    # Transformers (about 3.5 s of CPU a rank). How a rank starts is not what is checked here.
     code = f"""
-import json, os, sys
+import json, sys
 sys.path.insert(0, {_TESTS!r})
-os.environ["PYTHONPATH"] = {_TESTS!r}  # the ranks import pipeline_reference by name
 from tfcli.parallel.launch import run_ranks
-import pipeline_reference
-print(json.dumps(run_ranks(pipeline_reference.stage_peaks, 3, ({cases!r},), timeout=120)))
+import memory_timeline, pipeline_reference
+import torch.distributed._composable, torch.distributed.pipelining, torch.profiler._memory_profiler
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+print(json.dumps(run_ranks(pipeline_reference.stage_peaks, 3, ({cases!r},), timeout=120,
+                           start="fork")))
 """
     done = background.run(forked.command("-c", code), 300, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)

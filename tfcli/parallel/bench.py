@@ -157,8 +157,9 @@ def _bench_strategy(rank: int, world: int, strategy: str, cfg_dict: dict, batch:
 
 def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: int,
         lengths: list[int], steps: int = 5, seed: int = 0, timeout: float = 300.0,
-        tolerance: float = 1e-4) -> list[dict[str, Any]]:
-    """Records, one per (strategy, length, rank), from one launch of ``nproc`` ranks."""
+        tolerance: float = 1e-4, start: str = "exec") -> list[dict[str, Any]]:
+    """Records, one per (strategy, length, rank), from one launch of ``nproc`` ranks
+    (``start``: how they start, :func:`tfcli.parallel.launch.run_ranks`)."""
     from tfcli.parallel.launch import run_ranks
 
     for strategy in strategies:
@@ -166,7 +167,7 @@ def run(cfg_dict: dict, nproc: int, strategies: list[str], backend: str, batch: 
     device = check_backend(backend, nproc)
     ranks = run_ranks(bench_worker, nproc,
                       (strategies, cfg_dict, batch, lengths, steps, seed, device),
-                      backend=backend, timeout=timeout)
+                      backend=backend, timeout=timeout, start=start)
     return records_of(ranks, backend, device, batch, tolerance)
 
 

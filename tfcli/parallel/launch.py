@@ -1,7 +1,11 @@
 """Start N torch.distributed ranks on this machine and collect what each returns.
 
 Each rank is a fresh interpreter (``python -P -m tfcli.parallel.launch SPEC``; nothing inherited
-from a fork, no torch threads or locks, nothing imported from the current directory). They meet
+from a fork, no torch threads or locks, nothing imported from the current directory). A caller
+that is itself a clean process (one thread, no torch op run yet, nothing imported that the
+ranks should not have) may ask for ranks forked from it instead (``start="fork"``): each then
+skips its interpreter's start and the imports the caller already made (torch's alone is about
+1.4 s of CPU a rank), and is watched, ended and named exactly as a fresh one. They meet
 without the network: the rendezvous is a file store in the parent's private temporary directory
 (torch's TCPStore would listen on every interface, and asks DNS for the name of 127.0.0.1 at
 every connection and accept), and gloo's and NCCL's sockets are pinned to ``lo``. The parent
@@ -117,23 +121,28 @@ def _end_with_parent(parent: int) -> None:
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
-              timeout: float = 120.0, startup: float = STARTUP_S) -> list[Any]:
+              timeout: float = 120.0, startup: float = STARTUP_S,
+              start: str = "exec") -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; their JSON results, by rank.
     ``fn`` must be a module-level function (it is imported by name) and ``args`` JSON.
     ``timeout`` counts from the moment every rank has joined the process group, so that a
     machine slow to start N interpreters (each imports torch) does not eat into it; joining
-    has ``startup`` seconds of its own."""
+    has ``startup`` seconds of its own. ``start``: "exec", each rank a fresh interpreter;
+    "fork", each forked from this process, which must be clean (see the module's docstring:
+    a fork of a process whose OpenMP or gloo threads have run can hang)."""
+    if start not in ("exec", "fork"):
+        raise ValueError(f"start={start!r}: allowed: exec, fork")
     with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:  # mode 0700
         specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
                   "world": world, "backend": backend, "timeout": timeout, "startup": startup, "out": out,
                   "parent": os.getpid()} for rank in range(world)]
         texts = [json.dumps(s) for s in specs]  # a TypeError here: args JSON cannot hold
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | _Forked] = []
         try:
             for rank, text in enumerate(texts):
                 # -P: the current directory is not put on the rank's import path, so a json.py
                 # or torch.py lying there is never imported (and run) by a rank
-                procs.append(subprocess.Popen(
+                procs.append(_Forked(json.loads(text)) if start == "fork" else subprocess.Popen(
                     [sys.executable, "-P", "-m", "tfcli.parallel.launch", text]))
             deadline, joined = time.monotonic() + startup, False
             while None in [p.poll() for p in procs]:  # a list: poll every rank, not the first
@@ -152,7 +161,65 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
             _end(procs)
 
 
-def _raise_first_failure(procs: list[subprocess.Popen], out: str) -> None:
+class _Forked:
+    """A rank forked from this process, with what the launcher uses of ``subprocess.Popen``:
+    ``pid``, ``returncode``, ``poll``, ``send_signal``, ``terminate``, ``kill``, ``wait``. The
+    child runs the rank as a fresh interpreter would (:func:`_entry`) and ends with
+    :func:`exit_rank`, never returning into the parent's code."""
+
+    def __init__(self, spec: dict) -> None:
+        for stream in (sys.stdout, sys.stderr):  # not written twice, by the parent and the rank
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            import signal
+
+            code = 1
+            try:  # the caller's handlers reset, as exec resets them (an ignored signal stays so)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+                            signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD):
+                    if callable(signal.getsignal(sig)):
+                        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                                      else signal.SIG_DFL)
+                code = _entry(spec)
+            finally:
+                exit_rank(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _raise_first_failure(procs: list[subprocess.Popen | _Forked], out: str) -> None:
     """Name the rank that failed first. A rank that died without a traceback (killed by a
     signal, or exited from native code) is the cause: a rank that fails because a peer
     vanished raises in the collective, and writes its traceback. Otherwise the earliest
@@ -171,7 +238,7 @@ def _raise_first_failure(procs: list[subprocess.Popen], out: str) -> None:
     raise RankError(rank, f"rank {rank} of {len(procs)} failed: {detail}")
 
 
-def _raise_late(procs: list[subprocess.Popen], out: str, timeout: float,
+def _raise_late(procs: list[subprocess.Popen | _Forked], out: str, timeout: float,
                 joined: bool = True) -> None:
     """Name the late rank that is not waiting in a collective (its Python stack, dumped on
     request, is outside torch.distributed): the others wait for it. If every late rank waits
@@ -220,7 +287,7 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _end(procs: list[subprocess.Popen]) -> None:
+def _end(procs: list[subprocess.Popen | _Forked]) -> None:
     """Terminate every rank still running (SIGTERM, then SIGKILL) and reap them all. A stopped
     rank is continued after SIGTERM, so that it can end at once."""
     import signal
