@@ -124,6 +124,17 @@ def _plan(cli, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.fixture(scope="module")
+def tp_pp_plan(llamas):
+    """The untied Llama's plan at tp=2, pp=3 (L = 16, B = 2), which two tests read: planned
+    once."""
+    from conftest import invoke
+
+    folder, _ = llamas[False]
+    return _plan(lambda *args: invoke(args, env={"COLUMNS": "100"}), "--model",
+                 f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16", "--batch-size", "2")
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("pp", [2, 3])
 def test_stage_parameters_are_a_manual_splits(cli, llamas, tied, pp):
@@ -327,7 +338,8 @@ def _whole_embedding_gradient_excess(vocab: int, dim: int, t: int) -> int:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, llamas, tied):
+def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, llamas, tied,
+                                                                         tp_pp_plan):
     """tp=2 beside pp=3: each stage holds what Transformers' own apply_tensor_parallelism
     leaves one rank, in the modules a manual split keeps (untied: Transformers' own split of
     the tied Llama stops at lm_head.weight, its plan naming the tied parameter's second name);
@@ -340,8 +352,8 @@ def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, 
     from tfcli.parallel.tensor import fake_world
 
     folder, _ = llamas[tied]
-    data = _plan(cli, "--model", f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16",
-                 "--batch-size", "2")
+    data = tp_pp_plan if not tied else _plan(cli, "--model", f"hf:{folder}", "--parallel",
+                                             "tp=2,pp=3", "--seq-len", "16", "--batch-size", "2")
     stages = data["conditions"]["pipeline"]["stages"]
     assert data["world_size"] == 6 and data["conditions"]["tensor_parallel"]["tp"] == 2
     excess = _whole_embedding_gradient_excess(LLAMA["vocab_size"], LLAMA["hidden_size"], 2)
@@ -363,7 +375,7 @@ def test_tensor_parallel_stages_are_transformers_split_then_a_manual_split(cli, 
     assert data["peak"]["bytes"] == max(st["peak_bytes"] for st in stages)
 
 
-def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas):
+def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas, tp_pp_plan):
     """sp=1 beside tp=2, pp=3: each stage holds the parameters it holds without sp, what
     goes between the stages is the hidden state's sequence shard, B × L/t × d (4 B × 2 × 8 ×
     32), half of what it is without sp: a receive buffer per micro-batch (M = 3) for the
@@ -372,7 +384,7 @@ def test_sequence_parallel_stages_hand_on_a_sequence_shard(cli, llamas):
     tensors on the shard)."""
     folder, _ = llamas[False]
     args = ["--model", f"hf:{folder}", "--seq-len", "16", "--batch-size", "2"]
-    plain = _plan(cli, *args, "--parallel", "tp=2,pp=3")["conditions"]["pipeline"]["stages"]
+    plain = tp_pp_plan["conditions"]["pipeline"]["stages"]  # the same arguments, without sp
     data = _plan(cli, *args, "--parallel", "tp=2,pp=3,sp=1")
     stages = data["conditions"]["pipeline"]["stages"]
     assert data["parallel"]["sp"] is True
