@@ -234,8 +234,10 @@ def pytest_terminal_summary(terminalreporter):
 # collection walks all of it, about 0.5 s late in the session, and bench's sweep makes one
 # after every length. Each test runs with the objects that existed before it frozen
 # (gc.freeze: left out of collections), so what it collects is its own garbage; now and then,
-# when the heap has grown by half since the last full collection, one full collection
-# between tests reclaims what earlier tests left in cycles.
+# when the heap has grown 2.5-fold since the last full collection, one full collection
+# between tests reclaims what earlier tests left in cycles. At 1.5-fold the test process spent
+# 5.0 s of its thread in full collections (7.9 s in all collections) and peaked at 1.05 GB
+# resident; at 2.5-fold 2.7 s (5.5 s), 1.23 GB (the whole suite, gc.callbacks timing them).
 
 _HEAP = {"after_full": 0}  # the heap's size after the last full collection
 
@@ -247,7 +249,7 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         gc.unfreeze()
-        if _objects() > 1.5 * _HEAP["after_full"]:
+        if _objects() > 2.5 * _HEAP["after_full"]:
             gc.collect()
             _HEAP["after_full"] = _objects()
 
