@@ -606,6 +606,18 @@ def test_ranks_start_only_as_fresh_interpreters_or_forks():
 
     with pytest.raises(ValueError, match="start='spawn': allowed: exec, fork"):
         run_ranks(fail_rank, 2, (1,), start="spawn")
+    import threading
+
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:  # refused before anything is forked
+        with pytest.raises(ValueError, match=r"start='fork' from a process running \d+ Python "
+                                             r"threads: a forked rank would inherit"):
+            run_ranks(fail_rank, 2, (1,), start="fork")
+    finally:
+        done.set()
+        other.join()
 
 
 def test_a_hung_rank_is_ended_at_the_timeout(gloo):

@@ -132,6 +132,10 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
     a fork of a process whose OpenMP or gloo threads have run can hang)."""
     if start not in ("exec", "fork"):
         raise ValueError(f"start={start!r}: allowed: exec, fork")
+    if start == "fork" and threading.active_count() > 1:  # a fork keeps only this thread
+        raise ValueError(f"start='fork' from a process running {threading.active_count()} "
+                         f"Python threads: a forked rank would inherit the locks they hold; "
+                         f"start='exec'")
     with tempfile.TemporaryDirectory(prefix="tfcli-ranks-") as out:  # mode 0700
         specs = [{"fn": f"{fn.__module__}:{fn.__qualname__}", "args": list(args), "rank": rank,
                   "world": world, "backend": backend, "timeout": timeout, "startup": startup, "out": out,
