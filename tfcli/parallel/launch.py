@@ -144,8 +144,9 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str = "gloo",
         procs: list[subprocess.Popen | _Forked] = []
         try:
             for rank, text in enumerate(texts):
-                # -P: the current directory is not put on the rank's import path, so a json.py
-                # or torch.py lying there is never imported (and run) by a rank
+                # a fresh interpreter's -P: the current directory is not put on the rank's
+                # import path, so a json.py or torch.py lying there is never imported (and
+                # run) by a rank (a forked rank has its caller's import path, as it is)
                 procs.append(_Forked(json.loads(text)) if start == "fork" else subprocess.Popen(
                     [sys.executable, "-P", "-m", "tfcli.parallel.launch", text]))
             deadline, joined = time.monotonic() + startup, False
