@@ -522,8 +522,8 @@ def _gloo() -> dict:
     forked from that process before it runs any torch op: how they start is not what the
     parity and volume tests check) for DDP, FSDP2 and tensor parallelism — each first
     compared with a single-process step on the same weights and batch, then timed — and
-    launches as the product makes them (each rank a fresh interpreter) in which rank 1 fails
-    while rank 0 waits in a collective, or hangs."""
+    launches in which rank 1 fails while rank 0 waits in a collective (forked, and as the
+    product makes them, each rank a fresh interpreter), or hangs (fresh interpreters)."""
     cfg = get_preset("llama-tiny").replace(n_heads=4, n_kv_heads=2).to_dict()
     return run_python(f"""
         import json, os, time
