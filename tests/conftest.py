@@ -82,14 +82,15 @@ def invoke(args, env: dict | None = None) -> Result:
         return Result(code, *text, exception)
 
 
+def run_cli(*args: str, env: dict | None = None) -> Result:
+    """tfcli in-process as the ``cli`` fixture runs it (100 columns), for module fixtures."""
+    return invoke(args, env={"COLUMNS": "100", **(env or {})})
+
+
 @pytest.fixture
 def cli():
     """Run tfcli in-process as the console script would, with stdout and stderr apart."""
-
-    def run(*args: str, env: dict | None = None) -> Result:
-        return invoke(args, env={"COLUMNS": "100", **(env or {})})
-
-    return run
+    return run_cli
 
 
 def pytest_addoption(parser):

@@ -128,11 +128,11 @@ def _plan(cli, *args: str) -> dict:
 def tp_pp_plan(llamas):
     """The untied Llama's plan at tp=2, pp=3 (L = 16, B = 2), which two tests read: planned
     once."""
-    from conftest import invoke
+    from conftest import run_cli
 
     folder, _ = llamas[False]
-    return _plan(lambda *args: invoke(args, env={"COLUMNS": "100"}), "--model",
-                 f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16", "--batch-size", "2")
+    return _plan(run_cli, "--model", f"hf:{folder}", "--parallel", "tp=2,pp=3", "--seq-len", "16",
+                 "--batch-size", "2")
 
 
 @pytest.mark.parametrize("tied", [False, True])
