@@ -13,7 +13,11 @@ child and ends as the child ended: its exit code, or killed by the same signal. 
 killed outright takes the child with it.
 
 The server imports torch and torch._dynamo (which torch's fake tensors load at their first
-dispatch: 1.3 s more of CPU in every child that replays a step). Not for what an interpreter
+dispatch: 1.3 s more of CPU in every child that replays a step), then freezes what it imported
+out of the garbage collector (gc.freeze), so that a child's collections and the teardown at its
+end walk only the child's own objects: a child running ``-c pass`` took 0.80 s of CPU without
+it, 0.27 s with it; ``-m tfcli presets`` 0.32 s and 0.22 s (a child that touches a page of the
+server's heap copies it, and a full collection touches them all). Not for what an interpreter
 decides as it starts: the streams' encoding (PYTHONIOENCODING), ``sys.path`` from PYTHONPATH,
 what is imported before tfcli, torch's probes for optional packages as it is imported (a
 planted triton.py), a process that must fail to import torch. Those start ``python`` itself.
@@ -35,7 +39,8 @@ import background
 # says its pid, waits for it and says how it ended (or kills it when the stand-in is gone).
 SERVER = r'''
 import json, os, signal, socket, sys
-import torch, torch._dynamo  # what every child would otherwise import for itself
+import gc, torch, torch._dynamo  # what every child would otherwise import for itself
+gc.freeze()  # and what no child's collection needs to walk
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # watchers are reaped by the kernel
 listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
