@@ -15,7 +15,6 @@ which can abort a loaded machine's exit."""
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import textwrap
 from typing import Callable
@@ -38,10 +37,6 @@ def script(name: str) -> Callable:
     return register
 
 
-def _limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (12 * GIB, 12 * GIB))
-
-
 @background.job("fake_world", cost=50)
 def _fake_world() -> dict:
     scripts = {name: textwrap.dedent(write()) for name, write in _SCRIPTS.items()}
@@ -57,7 +52,7 @@ def _fake_world() -> dict:
         os._exit(0)
         """)
     done = background.run(forked.command("-c", runner), 600, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, preexec_fn=_limited)
+                          stderr=subprocess.PIPE, text=True, address_space=12 * GIB)
     assert done.returncode == 0, done.stderr[-3000:]
     out = {}
     for line in done.stdout.splitlines():

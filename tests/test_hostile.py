@@ -539,8 +539,7 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
     _prepare(case, where)
     before = _snapshot(where)
 
-    def limits() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
+    def limits() -> None:  # after the address-space limit (background.popen)
         if case.stdout_to == "closed":
             os.close(1)  # as `tfcli ... >&-`: Python starts with sys.stdout None
         if case.fsize is not None:
@@ -562,8 +561,10 @@ def _run(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, dict, di
     command = [sys.executable, "-m", "tfcli", *case.args] if "PYTHONIOENCODING" in case.env \
         else forked.command("-m", "tfcli", *case.args)
     try:
+        started = {"preexec_fn": limits} if case.stdout_to == "closed" or case.fsize is not None \
+            else {}
         result = background.run(command, 240, cwd=where, env=env, stdout=stdout,
-                                stderr=subprocess.PIPE, preexec_fn=limits)
+                                stderr=subprocess.PIPE, address_space=LIMIT_AS, **started)
     finally:
         if opened is not None:
             os.close(opened)
@@ -854,7 +855,7 @@ def _rank_alone() -> tuple[int, str]:
     with tempfile.TemporaryDirectory(prefix="tfcli-rank-alone-") as where:
         proc = background.popen([sys.executable, "-m", "tfcli", *RANK_ALONE], cwd=where,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_limited())
+                                text=True, address_space=LIMIT_AS)
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and proc.poll() is None:  # rank 0 hosts the store
@@ -1391,3 +1392,26 @@ def test_no_eval_exec_pickle_or_shell_in_the_package():
     # it imports that file and nothing else (no string is evaluated).
     user = (Path(tfcli.__file__).parent / "subjects" / "user.py").read_text()
     assert "spec_from_file_location" in user or "import_module" in user
+
+
+_LIMITS_SEEN = ("import json, os, resource; print(json.dumps([os.getpid(), os.nice(0), "
+                "resource.getrlimit(resource.RLIMIT_AS)]))")
+
+
+@pytest.mark.parametrize("how", ["programs", "preexec_fn", "forked"])
+def test_a_jobs_processes_run_lowered_and_limited(how):
+    """The limits these tests put on the processes they start are what those processes have:
+    background.popen's priority (nice 5 above this process's) and address-space limit, set
+    by nice(1) and prlimit(1) without a preexec_fn, in the preexec_fn beside a caller's, and
+    handed on by the fork server's stand-in to the child it asks for. The pid is the one
+    popen returned: the programs exec the command, they do not start it as a child."""
+    started = {"preexec_fn": lambda: None} if how == "preexec_fn" else {}
+    command = forked.command("-c", _LIMITS_SEEN) if how == "forked" else \
+        [sys.executable, "-S", "-c", _LIMITS_SEEN]
+    proc = background.popen(command, address_space=LIMIT_AS, stdout=subprocess.PIPE,
+                            text=True, **started)
+    out, _ = proc.communicate(timeout=60)
+    pid, nice, limit = json.loads(out)
+    assert (nice, limit) == (os.nice(0) + background.NICE, [LIMIT_AS, LIMIT_AS])
+    if how != "forked":  # the stand-in's child is the server's
+        assert pid == proc.pid

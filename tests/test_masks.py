@@ -322,7 +322,6 @@ def _subprocess(args: list[str], columns: int = 100):
     """tfcli as the console script (a process of its own: tests/forked.py) under a 3 GiB
     address-space limit: the old code refused (it sized whole grids), and a regression that
     builds them fails here, not in the OOM killer."""
-    import resource
     import subprocess
 
     limit = 3 * 2**30
@@ -330,7 +329,7 @@ def _subprocess(args: list[str], columns: int = 100):
         forked.command("-m", "tfcli", *args), 120, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env={**background.session_env(), "COLUMNS": str(columns), "NO_COLOR": "1"},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        address_space=limit)
 
 
 HUGE_N = 10**6

@@ -8,7 +8,6 @@ limit and a timeout, so a hung rank cannot hang the suite."""
 from __future__ import annotations
 
 import json
-import resource
 from pathlib import Path
 import subprocess
 import textwrap
@@ -26,17 +25,13 @@ LLAMA2_7B = 6_738_415_616  # published parameter count (Touvron et al. 2023; the
 GIB = 2**30
 
 
-def _limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (12 * GIB, 12 * GIB))
-
-
 def run_python(code: str, timeout: float) -> dict:
     """The one JSON line ``code`` printed, run in a process of its own forked from one that
     has imported torch (tests/forked.py; address space limited); killed, and the job failed,
     past ``timeout`` seconds."""
     result = background.run(forked.command("-c", textwrap.dedent(code)), timeout,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_limited)
+                            address_space=12 * GIB)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -15,7 +15,6 @@ thread at exit and one real os._exit run as `python -m tfcli` in the background 
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -382,16 +381,13 @@ def _process(case, where: Path) -> tuple[int, str] | None:
     (where / "triton.py").write_text("open(__file__ + '.ran', 'w').close()\n"
                                      "raise ImportError('planted')\n")
 
-    def limits() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
-
     env = {**background.session_env(), "COLUMNS": "100", "NO_COLOR": "1"}
     for name in ("TFCLI_TRACEBACK", "PYTHONFAULTHANDLER"):
         env.pop(name, None)
     started = [sys.executable, "-m", "tfcli", *arguments(command)] if action in FRESH else \
         forked.command("-m", "tfcli", *arguments(command))
     proc = background.popen(started, cwd=where, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=limits)
+                            stderr=subprocess.PIPE, text=True, address_space=LIMIT_AS)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
