@@ -265,6 +265,41 @@ def test_one_step_replay_answers_the_activation_lines_as_their_own_replay(
     assert alone.peak_bytes > 0 and (loop == "loss-only") == (alone.held_output == 0)
 
 
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_a_products_batched_result_is_a_cached_view_and_changes_no_figure(monkeypatch, model):
+    """F.linear and matmul on 3-D inputs return their result through aten._unsafe_view, which
+    FakeTensorMode answers afresh each time (its schema says the result does not alias its
+    input); the replay runs it as aten.view, which the fake mode's cache answers. No
+    _unsafe_view reaches the fake mode in a step's replay, one does when the replay passes
+    them on, and the two replays agree on every figure: the peak, the optimizer's
+    temporaries, the activation lines and every allocation and free of the step's timeline."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.inspection import memory
+    from tfcli.inspection.timeline import TimelineRecorder
+    from tfcli.subjects import resolve_subject
+
+    subject, sizes = (resolve_subject(model="hf:examples/llama-tiny"), {"B": 2, "L": 8}) \
+        if model == "llama" else (OwnSubject(get_preset(model)), {"B": 2, "S": 8, "T": 8})
+
+    def replay() -> tuple[int, tuple]:
+        before = FakeTensorMode.cache_bypasses["unsafe view"]
+        recorder = TimelineRecorder()
+        step = memory._replay_step(subject, sizes, "fp32", None, "adamw", "auto", False,
+                                   timeline=recorder)
+        activations, _ = memory._replay_activations(subject, sizes, "fp32", None, "auto")
+        timeline = recorder.timeline
+        return FakeTensorMode.cache_bypasses["unsafe view"] - before, (
+            step.peak, step.optimizer_temporaries, activations.peak_bytes,
+            activations.saved_bytes, timeline.allocations, timeline.events, timeline.phases)
+
+    as_views, figures = replay()
+    monkeypatch.setattr(memory, "_UNSAFE_VIEW", object())  # matches no operation
+    passed_on, passed_figures = replay()
+    assert as_views == 0 and passed_on > 0
+    assert figures == passed_figures
+
+
 def test_attention_matrices_are_quadratic_for_naive_and_absent_for_cpu_flash():
     cfg = get_preset("tiny").replace(dropout=0.0)
     def estimate(cfg, n):
