@@ -731,17 +731,18 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         model = build().train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         # What optimizer.step() holds above what is alive as it starts is the optimizer's
-        # own: its temporaries, which depend on its parameters' shapes and dtype and on
-        # nothing else alive (the step reads the gradients and state, and neither the model
-        # nor the batch). They come from the optimizer replayed alone (optimizer_temporaries,
-        # remembered per shapes), and no optimizer is made here: its state-making first step
-        # and the step itself were half the dispatches of GPT-2 small's replay (0.75 s ->
-        # 0.33 s). A timeline draws the step, so with one the step runs here.
-        alone = None if timeline is not None else _stepped_apart(trainable)
+        # own: its temporaries, which depend on the shapes and dtype of the parameters it
+        # steps (those backward gave a gradient) and on nothing else alive (the step reads
+        # the gradients and state, and neither the model nor the batch). They come from the
+        # optimizer replayed alone (optimizer_temporaries, remembered per shapes), and no
+        # optimizer is made here: its state-making first step and the step itself were half
+        # the dispatches of GPT-2 small's replay (0.75 s -> 0.33 s). A timeline draws the
+        # step, so with one the step runs here.
+        alone = timeline is None and _stepped_apart(trainable) is not None
         # nothing trainable (no parameters, or all frozen): no optimizer; the model's own
         # forward still runs first, so that its failure is the one reported
         opt = _optimizer(optimizer, trainable, optimizer_impl) \
-            if trainable and alone is None else None
+            if trainable and not alone else None
         if opt is not None or keep_grads:  # (kept gradients exist before the step)
             for p in trainable:  # one step on zero gradients creates the optimizer's state
                 p.grad = torch.zeros_like(p)
@@ -795,8 +796,10 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
             at_start, so_far, live.peak = live.live, live.peak, live.live
             if opt is not None:
                 opt.step()
-            elif alone is not None:
-                live.peak += optimizer_temporaries(*alone, optimizer, optimizer_impl)
+            elif alone:  # the step skips a parameter backward gave no gradient
+                stepped = _stepped_apart([p for p in trainable if p.grad is not None])
+                if stepped is not None:
+                    live.peak += optimizer_temporaries(*stepped, optimizer, optimizer_impl)
             temporaries, live.peak = live.peak - at_start, max(so_far, live.peak)
             live.phase("zero_grad")
             if opt is not None:
