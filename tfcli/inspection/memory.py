@@ -743,8 +743,8 @@ def simulate_step(build: Callable[[], nn.Module], make_inputs: Callable[[nn.Modu
         # forward still runs first, so that its failure is the one reported
         opt = _optimizer(optimizer, trainable, optimizer_impl) \
             if trainable and not alone else None
-        if opt is not None or keep_grads:  # (kept gradients exist before the step)
-            for p in trainable:  # one step on zero gradients creates the optimizer's state
+        if opt is not None or keep_grads:  # zero gradients: for the step that makes the
+            for p in trainable:  # optimizer's state, and the ones a loop that keeps them has
                 p.grad = torch.zeros_like(p)
         if opt is not None:
             opt.step()
