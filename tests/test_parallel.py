@@ -213,7 +213,8 @@ def tracked(fake_world):
 @script("tracked")
 def _tracked_script() -> str:
     """On torch.distributed's fake process group: FSDPMemTracker's figures for both
-    configurations at N = 1, 2, 8, MemTracker's activations per layer under torch's
+    configurations at N = 1, 2, 8 (steps on real CPU tensors: tfcli.parallel.measure's
+    _tensors), MemTracker's activations per layer under torch's
     Colwise/RowwiseParallel at t = 2, 4, and the local parameter counts of those shards at
     t = 2."""
     tp_cfg = _cfg("llama").replace(n_decoder_layers=2).to_dict()
@@ -230,11 +231,12 @@ def _tracked_script() -> str:
         for name, fields in {_cfg_dicts()!r}.items():
             cfg = Config(**fields)
             for n in (1, 2, 8):
-                for (b, s), measured in zip({SIZES!r}, fsdp_fake_memory(cfg, n, {SIZES!r})):
+                for (b, s), measured in zip({SIZES!r}, fsdp_fake_memory(cfg, n, {SIZES!r},
+                                                                        tensors="real")):
                     out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = measured
             for n in (2, 8):
                 (out[f"{{name}}/zero2/{{n}}"],) = fsdp_fake_memory(
-                    cfg, n, [{SIZES[0]!r}], reshard_after_forward=False)
+                    cfg, n, [{SIZES[0]!r}], reshard_after_forward=False, tensors="real")
             for t in (2, 4):
                 out[f"{{name}}/tp{{t}}"] = tp_fake_layer_activations(cfg, t, 2, 64)
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -944,6 +946,8 @@ TUTORIAL_FILE = Path(__file__).resolve().parents[1] / "examples" / "tutorial_tra
 TUTORIAL = ["--model", f"{TUTORIAL_FILE}:build", "--input", "src=int64[B,S]", "--input",
             "tgt=int64[B,T]"]
 TUTORIAL_CASES = [(8, 1, 32), (2, 2, 16)]  # N, B, L
+# (model, N) measured again under FakeTensorMode, beside the heavy-root GPT-2 under fsdp-mixed
+AS_FAKE = [("llama", 2), ("user", 8)]
 
 
 def _heavy_files(where) -> dict[str, list[str]]:
@@ -975,7 +979,10 @@ def _traced_script() -> str:
     with FSDP2 ``fully_shard`` on the units tfcli finds (the largest ModuleList's blocks) and
     the root, at N = 2, 4, 8 (some again with torch's activation checkpointing on each
     unit, some with eager attention without and with its core under torch's checkpointing);
-    the root-heavy models and Mixtral under each precision."""
+    the root-heavy models and Mixtral under each precision. Every step on real CPU tensors
+    (tfcli.parallel.measure's _tensors) but Mixtral's, whose routing reads the values that the
+    fake world's gathers never wrote; two cases again under FakeTensorMode, which the real
+    steps must equal (test_real_steps_on_the_fake_world_are_measured_as_fake_ones)."""
     import atexit
     import shutil
     import tempfile
@@ -995,7 +1002,8 @@ def _traced_script() -> str:
             subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
             for n in {TRACED_WORLDS!r}:  # both sizes on one sharded model
                 measured = fsdp_fake_memory_subject(
-                    subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {TRACED_SIZES!r}])
+                    subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {TRACED_SIZES!r}],
+                    tensors="real")
                 for (b, s), figures in zip({TRACED_SIZES!r}, measured):
                     out[f"{{name}}/{{n}}/{{b}}x{{s}}"] = figures
         for name, n in {CHECKPOINTED!r}:
@@ -1003,7 +1011,7 @@ def _traced_script() -> str:
             subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
             measured = fsdp_fake_memory_subject(
                 subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {TRACED_SIZES!r}],
-                checkpointing="full")
+                checkpointing="full", tensors="real")
             for (b, s), figures in zip({TRACED_SIZES!r}, measured):
                 out[f"{{name}}/{{n}}/{{b}}x{{s}}/full"] = figures
         for name, n, b, s in {SELECTIVE!r}:
@@ -1011,12 +1019,13 @@ def _traced_script() -> str:
             for checkpointing in ("none", "selective"):
                 out[f"{{name}}/{{n}}/{{b}}x{{s}}/eager/{{checkpointing}}"] = \
                     fsdp_fake_memory_subject(subject, n, {{"B": b, "S": s, "T": s, "L": s}},
-                                             checkpointing=checkpointing)
+                                             checkpointing=checkpointing, tensors="real")
         for name, args in {heavy!r}.items():  # N = 4, B = 1, L = 8
             subject = resolve_subject(model=args[1])
             for precision in {HEAVY_PRECISIONS!r}:
                 out[f"{{name}}/{{precision}}"] = fsdp_fake_memory_subject(
-                    subject, 4, {{"B": 1, "S": 8, "T": 8, "L": 8}}, precision=precision)
+                    subject, 4, {{"B": 1, "S": 8, "T": 8, "L": 8}}, precision=precision,
+                    tensors="real")
         subject = resolve_subject(model="hf:{MIXTRAL}")
         for n, b, s, precision in {MIXTRAL_CASES!r}:
             out[f"mixtral/{{n}}/{{b}}x{{s}}/{{precision}}"] = fsdp_fake_memory_subject(
@@ -1024,11 +1033,19 @@ def _traced_script() -> str:
         subject = resolve_subject(model="hf:{LOSS_PEAK}")
         for n, b, s in {LOSS_PEAK_CASES!r}:
             out[f"loss-peak/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
-                subject, n, {{"B": b, "S": s, "T": s, "L": s}})
+                subject, n, {{"B": b, "S": s, "T": s, "L": s}}, tensors="real")
         subject = resolve_subject(model={TUTORIAL[1]!r}, inputs={TUTORIAL[3::2]!r})
         for n, b, s in {TUTORIAL_CASES!r}:
             out[f"tutorial/{{n}}/{{b}}x{{s}}"] = fsdp_fake_memory_subject(
-                subject, n, {{"B": b, "S": s, "T": s, "L": s}})
+                subject, n, {{"B": b, "S": s, "T": s, "L": s}}, tensors="real")
+        for name, n in {AS_FAKE!r}:  # again under FakeTensorMode
+            args = {files!r}[name]
+            subject = resolve_subject(model=args[1], inputs=[args[3]] if len(args) > 2 else None)
+            out[f"fake/{{name}}/{{n}}"] = fsdp_fake_memory_subject(
+                subject, n, [{{"B": b, "S": s, "T": s, "L": s}} for b, s in {TRACED_SIZES!r}])
+        subject = resolve_subject(model={heavy!r}["gpt2-vocab"][1])
+        out["fake/gpt2-vocab/fsdp-mixed"] = fsdp_fake_memory_subject(
+            subject, 4, {{"B": 1, "S": 8, "T": 8, "L": 8}}, precision="fsdp-mixed")
         print(json.dumps(out))
         """)
 
@@ -1068,6 +1085,20 @@ def test_traced_fsdp_plan_agrees_with_fsdp_mem_tracker(traced_fsdp, traced_model
     assert p.peak.bytes == pytest.approx(peak["Total"], rel=0.01), p.peak.moments
     if name == "user":  # a frozen Linear outside the blocks: weights, no gradient
         assert lines["gradients"] < lines["weights"]
+
+
+@pytest.mark.parametrize("name,n", AS_FAKE)
+def test_real_steps_on_the_fake_world_are_measured_as_fake_ones(traced_fsdp, name, n):
+    """The traced script's steps run on real CPU tensors, 3-4 times faster than under
+    FakeTensorMode: on the fake process group their collectives leave memory no gather
+    wrote, and a dense model's sizes do not depend on it. Every category of every snapshot
+    equals, to the byte, the same steps under FakeTensorMode: Llama at N = 2 and the user's
+    module (a frozen layer outside the units) at N = 8, at both sizes, and the heavy-root
+    GPT-2 under FSDP2's mixed precision."""
+    measured = traced_fsdp["measured"]
+    for (b, s), fake in zip(TRACED_SIZES, measured[f"fake/{name}/{n}"]):
+        assert measured[f"{name}/{n}/{b}x{s}"] == fake, (b, s)
+    assert measured["gpt2-vocab/fsdp-mixed"] == measured["fake/gpt2-vocab/fsdp-mixed"]
 
 
 @pytest.mark.parametrize("name,n", CHECKPOINTED)

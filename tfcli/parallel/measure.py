@@ -3,8 +3,8 @@
 :func:`fsdp_fake_memory` shards tfcli's model with FSDP2 ``fully_shard`` (one unit per layer and
 the root) on torch.distributed's fake process group — a world of N ranks in one process, whose
 collectives do nothing — and runs training steps under FakeTensorMode (no memory is
-allocated; the optimizer's state made by a step on zero gradients, then one measured step
-at each size asked) inside
+allocated; or on real CPU tensors, for a small model: _tensors; the optimizer's state made
+by a step on zero gradients, then one measured step at each size asked) inside
 ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts every live tensor
 into sharded/unsharded parameters, gradients, optimizer state, activations,
 temporaries and all-gather / reduce-scatter buffers. :func:`tp_fake_layer_activations` does
@@ -50,6 +50,24 @@ def _fake_world(world: int, shape: tuple[int, int] | None = None):
         dist.destroy_process_group()
 
 
+TENSORS = ("fake", "real")  # what a measured step runs on (_tensors)
+
+
+def _tensors(tensors: str):
+    """What a measured step runs on: "fake", FakeTensorMode (nothing is allocated: a model of
+    any size); "real", CPU tensors, for a small model (the tests' models of width 64 step
+    3-4 times faster than through fake dispatch). On the fake process group a real step
+    computes on what its collectives leave, memory no all-gather wrote: the figures are
+    those of fake tensors wherever no size depends on a value (to the byte, for every dense
+    model of tests/test_parallel.py when this was written), not where one does (a mixture of
+    experts routes tokens by their values: Mixtral's activations differed by 64 B)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if tensors not in TENSORS:
+        raise TfcliError(f"tensors {tensors!r}: allowed: {', '.join(TENSORS)}")
+    return FakeTensorMode() if tensors == "fake" else contextlib.nullcontext()
+
+
 def _by_name(snapshot: dict) -> dict[str, int]:
     (per_device,) = snapshot.values()  # one device: cpu
     return {getattr(k, "value", k): int(v) for k, v in per_device.items()}
@@ -69,8 +87,8 @@ def _largest(tracker) -> dict[str, int]:
 
 
 def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
-                     reshard_after_forward: bool = True,
-                     root_default: bool = False) -> list[dict[str, dict]]:
+                     reshard_after_forward: bool = True, root_default: bool = False,
+                     tensors: str = "fake") -> list[dict[str, dict]]:
     """FSDPMemTracker's snapshots of rank 0 of ``world`` fake ranks, at each (batch, length)
     of ``sizes`` in turn (see _tracked): ``after_backward`` (all sharded gradients present)
     and ``peak``, each {category: bytes} as the tracker names them ("Sharded Param",
@@ -78,19 +96,20 @@ def fsdp_fake_memory(cfg: Config, world: int, sizes: list[tuple[int, int]],
     ``reshard_after_forward=False`` keeps every unit gathered from forward through backward:
     FSDP2's form of ZeRO-2 (gradients and optimizer state sharded, weights whole).
     ``root_default``: the root unit as fully_shard leaves it, gathered from forward to
-    backward (else resharded like the layers)."""
+    backward (else resharded like the layers). ``tensors``: "fake" or "real" (_tensors)."""
     from tfcli.model.transformer import build_model
     from tfcli.subjects.own import OwnSubject, layers
 
     return _tracked(OwnSubject(cfg), lambda: build_model(cfg, "cpu"), layers, world,
                     [{"B": b, "S": n, "T": n} for b, n in sizes], reshard_after_forward,
-                    root_default)
+                    root_default, tensors=tensors)
 
 
 def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[dict[str, int]],
                              wrap: str | None = None, reshard_after_forward: bool = True,
                              precision: str | None = None, foreach: bool | None = None,
-                             checkpointing: str = "none") -> dict[str, dict] | list[dict]:
+                             checkpointing: str = "none",
+                             tensors: str = "fake") -> dict[str, dict] | list[dict]:
     """The same for any subject (a user's module, a Transformers model): built as the subject
     builds it, one FSDP2 unit per wrap unit that tfcli finds (tfcli.parallel.units: the
     largest ModuleList's blocks, or ``wrap``'s class) and the root, the subject's inputs at
@@ -102,7 +121,7 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[d
     (``torch.distributed._composable.checkpoint``, non-reentrant ``torch.utils.checkpoint``
     as hooks) before it is sharded; "selective": non-reentrant ``torch.utils.checkpoint``
     around each call of the attention core of a Transformers model run with its eager
-    attention (see _attention_core_checkpointed)."""
+    attention (see _attention_core_checkpointed). ``tensors``: "fake" or "real" (_tensors)."""
     from tfcli.parallel.units import find_units
 
     if checkpointing not in ("none", "full", "selective"):
@@ -124,7 +143,8 @@ def fsdp_fake_memory_subject(subject, world: int, sizes: dict[str, int] | list[d
 
         out = _tracked(subject, lambda: subject.build("cpu"), units, world,
                        sizes if isinstance(sizes, list) else [sizes], reshard_after_forward,
-                       root_default=True, precision=precision, foreach=foreach)
+                       root_default=True, precision=precision, foreach=foreach,
+                       tensors=tensors)
     return out if isinstance(sizes, list) else out[0]
 
 
@@ -184,7 +204,8 @@ def _shard(model, units, mesh, reshard_after_forward: bool, root_default: bool,
 
 def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
              reshard_after_forward: bool, root_default: bool = False,
-             precision: str | None = None, foreach: bool | None = None) -> list[dict]:
+             precision: str | None = None, foreach: bool | None = None,
+             tensors: str = "fake") -> list[dict]:
     """One model sharded once, and under FSDPMemTracker a steady-state training step at each
     of ``sizes`` in turn: before the first, the model and optimizer brought to where a step
     leaves them (_as_after_a_step: no forward or backward run for it, under the tracker but
@@ -199,7 +220,6 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
     forward to backward (else it is resharded like the layers); ``precision``: see
     :func:`fsdp_fake_memory_subject`."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -210,8 +230,9 @@ def _tracked(subject, build, units, world: int, sizes: list[dict[str, int]],
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "autocast" \
         else contextlib.nullcontext
     out = []
+    tensor_mode = _tensors(tensors)  # refuses a name before the world is made
     with _fake_world(world) as mesh:
-        with FakeTensorMode():
+        with tensor_mode:
             model = build()
             _shard(model, units(model), mesh, reshard_after_forward, root_default, mp_policy)
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
