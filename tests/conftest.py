@@ -146,6 +146,16 @@ def fake_world():
     return background.result("fake_world")
 
 
+@pytest.fixture(scope="session")
+def ran():
+    """``ran(*args)``: the run of tfcli with ``args`` that a test module named with
+    tests/ahead.py's ``ahead``, as ``run_cli`` returned it (its job's result)."""
+    import background
+
+    outcomes = background.result("ran")
+    return lambda *args: Result(*outcomes[args], None)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "quiet: runs before the background jobs start (it needs idle CPUs)")

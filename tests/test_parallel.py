@@ -16,6 +16,7 @@ import pytest
 
 import background
 import forked
+from ahead import ahead
 from fake_world import script
 from tfcli.parallel.plan import Parallel, parse_parallel, plan, stage_params
 from tfcli.errors import TfcliError
@@ -804,18 +805,24 @@ def test_params_parallel_bad_input_is_one_line(cli, args, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(cli):
-    base = ["params", "-p", "tiny", "--parallel", "dp=2"]
-    none = cli(*base, "--fit", "batch", "--seq-len", "64", "--device-memory", "1KB", "--json")
-    data = json.loads(none.stdout)
+_FIT_BASE = ["params", "-p", "tiny", "--parallel", "dp=2"]
+_NOTHING_FITS = ahead(*_FIT_BASE, "--fit", "batch", "--seq-len", "64", "--device-memory", "1KB")
+_NOTHING_FITS_JSON = ahead(*_NOTHING_FITS, "--json")
+_CAPPED = ahead(*_FIT_BASE, "--fit", "seq-len", "--device-memory", "1GB")  # max_seq_len 64
+# a small device: a short search (6 replays, not 13)
+_STEPPED = ahead(*_FIT_BASE, "--fit", "seq-len", "--device-memory", "150MB", "--set",
+                 "max_seq_len=100000")
+
+
+def test_params_fit_says_when_nothing_fits_and_when_the_bound_is_reached(ran):
+    data = json.loads(ran(*_NOTHING_FITS_JSON).stdout)
     assert data["fit"]["largest"] is None and data["conditions"]["micro_batch"] == 1
     assert not data["device"]["fits"]
-    text = cli(*base, "--fit", "batch", "--seq-len", "64", "--device-memory", "1KB").stdout
+    text = ran(*_NOTHING_FITS).stdout
     assert "nothing fits: even batch = 1 exceeds the device; the table is at batch = 1" in text
-    capped = cli(*base, "--fit", "seq-len", "--device-memory", "1GB").stdout  # max_seq_len 64
-    assert "largest seq-len that fits: 64; that is the model's max_seq_len" in capped
-    stepped = cli(*base, "--fit", "seq-len", "--device-memory", "150MB", "--set",
-                  "max_seq_len=100000")  # a small device: a short search (6 replays, not 13)
+    assert "largest seq-len that fits: 64; that is the model's max_seq_len" in \
+        ran(*_CAPPED).stdout
+    stepped = ran(*_STEPPED)
     assert "(lengths in steps of 64)" in stepped.stdout, stepped.stderr
 
 
@@ -1593,28 +1600,41 @@ def test_context_parallel_length_searches_step_by_the_ranks(cli):
             "ranks), more than the configuration's max_position_embeddings=256") in five.stderr
 
 
-@pytest.mark.parametrize("subject,parallel,found", [
-    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "6.5MiB"], "dp=2", 45),
-    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "5.9MiB"], "cp=2", 62),
-    (["-p", "tiny", "--set", "max_seq_len=1024", "--device-memory", "1MB"], "dp=2", 5)])
-def test_a_length_below_one_step_is_found_where_no_step_fits(cli, subject, parallel, found):
+BELOW_ONE_STEP = [  # (subject, --parallel, the answer, the lengths the ranks split: 1 or 2)
+    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "6.5MiB"], "dp=2", 45, 1),
+    (["--model", f"hf:{LLAMA_TINY}", "--device-memory", "5.9MiB"], "cp=2", 62, 2),
+    (["-p", "tiny", "--set", "max_seq_len=1024", "--device-memory", "1MB"], "dp=2", 5, 1)]
+
+
+def _below_one_step(subject: list[str], parallel: str, found: int, unit: int) -> dict:
+    """The runs of one case of the test below, named ahead (tests/ahead.py)."""
+    args = ["params", *subject, "--reserve", "0", "--batch-size", "2", "--parallel", parallel]
+    return {"search": ahead(*args, "--fit", "seq-len", "--json"),
+            "at": [ahead(*args, "--seq-len", str(n), "--json") for n in (found, found + unit)],
+            "text": ahead(*args, "--fit", "seq-len")}
+
+
+_BELOW_ONE_STEP_RUNS = [_below_one_step(*case) for case in BELOW_ONE_STEP]
+
+
+@pytest.mark.parametrize("case", range(len(BELOW_ONE_STEP)))
+def test_a_length_below_one_step_is_found_where_no_step_fits(ran, case):
     """--fit seq-len searches in steps of 64; where not even 64 fits, it searched no further
     and said "nothing fits: even seq-len = 64" though shorter lengths fit. Now it searches
     below one step, in lengths the ranks split evenly (cp=2: even lengths), and says so; the
     answer fits and the next length the ranks can split does not."""
-    args = ["params", *subject, "--reserve", "0", "--batch-size", "2", "--parallel", parallel]
-    result = cli(*args, "--fit", "seq-len", "--json")
+    _, _, found, unit = BELOW_ONE_STEP[case]
+    runs = _BELOW_ONE_STEP_RUNS[case]
+    result = ran(*runs["search"])
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert (data["fit"]["largest"], data["fit"]["step"], data["fit"]["below_step"]) == \
         (found, 64, True)
-    unit = 2 if "cp=2" in parallel else 1
     assert "then, where not even 64 fits, in steps of {} below it".format(unit) in \
         data["fit"]["searched"]
-    fits = [json.loads(cli(*args, "--seq-len", str(n), "--json").stdout)["device"]["fits"]
-            for n in (found, found + unit)]
+    fits = [json.loads(ran(*args).stdout)["device"]["fits"] for args in runs["at"]]
     assert fits == [True, False]
-    text = " ".join(cli(*args, "--fit", "seq-len").stdout.split())
+    text = " ".join(ran(*runs["text"]).stdout.split())
     assert f"largest seq-len that fits: {found} (below one step of 64" in text
 
 
@@ -1709,20 +1729,23 @@ def test_the_batch_search_replays_few_sizes_and_confirms_its_answer(need, answer
     assert len(seen) <= most, sorted(seen)
 
 
-def test_a_length_search_says_when_the_model_stops_it(cli):
+WHISPER_TINY = Path(__file__).resolve().parents[1] / "examples" / "whisper-tiny"
+_WHISPER_SEARCH = ahead("params", "--model", f"hf:{WHISPER_TINY}", "--parallel", "dp=2",
+                        "--fit", "seq-len", "--device-memory", "1TB")
+_WHISPER_SEARCH_JSON = ahead(*_WHISPER_SEARCH, "--json")
+
+
+def test_a_length_search_says_when_the_model_stops_it(ran):
     """Whisper takes 48 target positions: --fit seq-len ended in the model's failure at its
     first length (64, exit 1) whatever the device. Lengths the model refuses now count as not
     fitting, and the answer says the model decided it, with the model's words (found by the
     hostile sweep)."""
-    whisper = Path(__file__).resolve().parents[1] / "examples" / "whisper-tiny"
-    args = ["params", "--model", f"hf:{whisper}", "--parallel", "dp=2", "--fit", "seq-len",
-            "--device-memory", "1TB"]
-    result = cli(*args, "--json")
+    result = ran(*_WHISPER_SEARCH_JSON)
     assert result.exit_code == 0, result.stderr
     found = json.loads(result.stdout)["fit"]
     assert (found["largest"], found["model_refused"]["seq_len"]) == (48, 49)
     assert "cannot exceed the maximum allowed length of 48" in found["model_refused"]["why"]
-    text = " ".join(cli(*args).stdout.split())
+    text = " ".join(ran(*_WHISPER_SEARCH).stdout.split())
     assert "largest seq-len that fits: 48" in text and "the model itself stops there: at " \
         "seq-len = 49 it fails" in text and "so memory did not decide it" in text
 
