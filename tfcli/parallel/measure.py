@@ -348,7 +348,8 @@ def _concatenated_meshes_outside_fake():
 
 def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str | None = None,
                            dp: int = 1, sequence: bool = False,
-                           parallelize_with: Callable | None = None) -> dict[str, dict]:
+                           parallelize_with: Callable | None = None,
+                           tensors: str = "fake") -> dict[str, dict]:
     """torch's tracker's snapshots of rank 0 of ``dp`` × ``t`` fake ranks running a training
     step (Adam) of any subject, split by torch's ``parallelize_module`` with the plan
     tfcli.parallel.tensor resolves (the Transformers model's own, or ``tp_plan``): with
@@ -360,7 +361,9 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
     forward added to the activations). torch's figures, which the tests hold the
     tensor-parallel plan to. ``sequence``: with sequence parallelism as tfcli splits it;
     ``parallelize_with(model, tp_mesh)``: split the built model so instead (a plan written
-    with torch's own ParallelStyles, to hold tfcli's split to)."""
+    with torch's own ParallelStyles, to hold tfcli's split to). ``tensors``: "fake" or
+    "real" (_tensors; with "real" the built model's tensors are real, torch's DTensor still
+    propagates shapes on fake ones of its own)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -373,8 +376,9 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
     split.subject, split.t, split.tp_plan_text, split.wrap = subject, t, tp_plan, None
     split.sequence = sequence
     shape = (dp, t) if dp > 1 else None
-    with _fake_world(dp * t, shape) as mesh, FakeTensorMode(allow_non_fake_inputs=True), \
-            _concatenated_meshes_outside_fake():
+    tensor_mode = (_tensors(tensors) if tensors != "fake" else
+                   FakeTensorMode(allow_non_fake_inputs=True))
+    with _fake_world(dp * t, shape) as mesh, tensor_mode, _concatenated_meshes_outside_fake():
         if parallelize_with is None:
             model = split._split(mesh["tp"] if dp > 1 else mesh)
         else:
