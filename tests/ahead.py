@@ -34,7 +34,7 @@ def ahead(*args: str) -> tuple[str, ...]:
     return tuple(args)
 
 
-@background.job("ran", cost=15)
+@background.job("ran", cost=17)
 def _ran() -> dict[tuple[str, ...], list]:
     runs = list(_RUNS)
     code = textwrap.dedent(f"""

@@ -1993,24 +1993,29 @@ def test_a_model_that_takes_no_split_sequence_is_refused_for_context_parallelism
     assert cli(*base, "--parallel", "dp=2").exit_code == 0
 
 
-def test_a_model_without_a_sequence_is_sized_by_its_batch(cli):
+_VIT = ["--model", f"hf:{Path(__file__).resolve().parents[1] / 'examples' / 'vit-tiny'}"]
+_VIT_RUNS = {"batch": {b: ahead("params", *_VIT, "--batch-size", str(b), "--json") for b in (4, 8)},
+             "ignored": ahead("params", *_VIT, "--batch-size", "8", "--seq-len", "64", "--json"),
+             "fit": ahead("params", *_VIT, "--parallel", "dp=2,zero=3", "--fit", "batch",
+                          "--device-memory", "64MiB", "--json")}
+
+
+def test_a_model_without_a_sequence_is_sized_by_its_batch(cli, ran):
     """A ViT's inputs have no sequence (H and W are an image's sides), yet its step was sized
     only with a --seq-len that meant nothing to it, and --fit batch asked for one.
     --batch-size (or --dim) sizes it now (a --seq-len, as before, changes nothing); a model
     with a sequence still needs --seq-len."""
-    vit = ["--model", f"hf:{Path(__file__).resolve().parents[1] / 'examples' / 'vit-tiny'}"]
     saved = {}
-    for b in (4, 8):
-        result = cli("params", *vit, "--batch-size", str(b), "--json")
+    for b, args in _VIT_RUNS["batch"].items():
+        result = ran(*args)
         assert result.exit_code == 0, result.stderr
         lines = {line["name"]: line["bytes"] for line in json.loads(result.stdout)["memory"]}
         saved[b] = lines["activations: other saved"] + lines["activations: attention matrices"]
     # what each image saves, per image (but a scalar or two the loss saves once)
     assert saved[4] > 0 and abs(saved[8] - 2 * saved[4]) <= 8
-    ignored = cli("params", *vit, "--batch-size", "8", "--seq-len", "64", "--json")
+    ignored = ran(*_VIT_RUNS["ignored"])
     assert {line["name"]: line["bytes"] for line in json.loads(ignored.stdout)["memory"]} == lines
-    fit = cli("params", *vit, "--parallel", "dp=2,zero=3", "--fit", "batch", "--device-memory",
-              "64MiB", "--json")
+    fit = ran(*_VIT_RUNS["fit"])
     assert fit.exit_code == 0, fit.stderr
     data = json.loads(fit.stdout)
     assert data["fit"]["largest"] > 1 and data["conditions"]["seq_len"] is None
