@@ -1769,6 +1769,13 @@ def test_a_search_neither_ignores_nor_needs_the_value_it_searches(cli):
     assert data["fit"]["largest"] and data["conditions"]["replayed_as"] == "cuda"
 
 
+def test_the_reference_refuses_tensors_it_does_not_know():
+    from tfcli.parallel.measure import _tensors
+
+    with pytest.raises(TfcliError, match="tensors 'meta': allowed: fake, real"):
+        _tensors("meta")
+
+
 def test_a_fake_world_too_large_to_hold_is_refused_before_it_is_made():
     """tp=1,000,000,000 made torch's device mesh build a rank table of 8 GB before any check
     refused it (the kernel's OOM killer ended the run): worlds above MAX_FAKE_WORLD are

@@ -60,7 +60,10 @@ def _tensors(tensors: str):
     computes on what its collectives leave, memory no all-gather wrote: the figures are
     those of fake tensors wherever no size depends on a value (to the byte, for every dense
     model of tests/test_parallel.py when this was written), not where one does (a mixture of
-    experts routes tokens by their values: Mixtral's activations differed by 64 B)."""
+    experts routes tokens by their values: Mixtral's activations differed by 64 B), and not
+    for tfcli's own sequence-parallel split of Phi's parallel block and of
+    tests/test_tensor_parallel.py's user block (each unit's activations 32,768 B more on real
+    tensors, B·L·d·4 at 2 × 64 × 64; not yet explained), which the tests keep fake."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if tensors not in TENSORS:
