@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 from torch.utils._pytree import tree_flatten
 
 from tfcli.subjects.base import backward, running
@@ -93,12 +93,12 @@ _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.t.default,
 
 def _plain_fake(t) -> bool:
     """``t`` is a fake tensor of its own class (not a parameter), strided, not a constant
-    (whose views the fake mode keeps constant), of the mode next on the dispatch stack (no
-    other mode between, which would see the operation), without symbolic sizes, outside the
-    mode's own kernels."""
+    (the fake mode's own path carries a constant's value on), of the mode next on the
+    dispatch stack (no other mode between, which would see the operation), without symbolic
+    sizes, outside the mode's own kernels."""
     return (type(t) is FakeTensor and t.constant is None and t.layout is torch.strided
             and t.fake_mode.shape_env is None and not t.fake_mode.in_kernel_invocation
-            and _current_dispatch_mode() is t.fake_mode)
+            and _current_mode() is t.fake_mode)
 
 
 def _fake_view(func, args):
