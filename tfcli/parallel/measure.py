@@ -53,12 +53,12 @@ def _fake_world(world: int, shape: tuple[int, int] | None = None):
 TENSORS = ("fake", "real")  # what a measured step runs on (_tensors)
 
 
-def _tensors(tensors: str):
-    """What a measured step runs on: "fake", FakeTensorMode (nothing is allocated: a model of
-    any size); "real", CPU tensors, for a small model (the tests' models of width 64 step
-    3-4 times faster than through fake dispatch). On the fake process group a real step
-    computes on what its collectives leave, memory no all-gather wrote: the figures are
-    those of fake tensors wherever no size depends on a value (to the byte, for every dense
+def _tensors(tensors: str, **fake_options):
+    """What a measured step runs on: "fake", FakeTensorMode with ``fake_options`` (nothing is
+    allocated: a model of any size); "real", CPU tensors, for a small model (the tests' models
+    of width 64 step 3-4 times faster than through fake dispatch). On the fake process group a
+    real step computes on what its collectives leave, memory no all-gather wrote: the figures
+    are those of fake tensors wherever no size depends on a value (to the byte, for every dense
     model of tests/test_parallel.py when this was written), not where one does (a mixture of
     experts routes tokens by their values: Mixtral's activations differed by 64 B), and not
     for tfcli's own sequence-parallel split of Phi's parallel block and of
@@ -68,7 +68,7 @@ def _tensors(tensors: str):
 
     if tensors not in TENSORS:
         raise TfcliError(f"tensors {tensors!r}: allowed: {', '.join(TENSORS)}")
-    return FakeTensorMode() if tensors == "fake" else contextlib.nullcontext()
+    return FakeTensorMode(**fake_options) if tensors == "fake" else contextlib.nullcontext()
 
 
 def _by_name(snapshot: dict) -> dict[str, int]:
@@ -368,7 +368,6 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
     "real" (_tensors; with "real" the built model's tensors are real, torch's DTensor still
     propagates shapes on fake ones of its own)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
@@ -379,8 +378,7 @@ def tp_fake_memory_subject(subject, t: int, sizes: dict[str, int], tp_plan: str 
     split.subject, split.t, split.tp_plan_text, split.wrap = subject, t, tp_plan, None
     split.sequence = sequence
     shape = (dp, t) if dp > 1 else None
-    tensor_mode = (_tensors(tensors) if tensors != "fake" else
-                   FakeTensorMode(allow_non_fake_inputs=True))
+    tensor_mode = _tensors(tensors, allow_non_fake_inputs=True)
     with _fake_world(dp * t, shape) as mesh, tensor_mode, _concatenated_meshes_outside_fake():
         if parallelize_with is None:
             model = split._split(mesh["tp"] if dp > 1 else mesh)
