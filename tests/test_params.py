@@ -376,36 +376,54 @@ def test_a_products_batched_result_is_a_cached_view_and_changes_no_figure(monkey
 
 @pytest.mark.parametrize("model,mixed,device", [("tiny", None, "cpu"), ("llama", None, "cpu"),
                                                 ("tiny", "bf16", "cuda")])
-def test_views_run_on_the_meta_kernel_and_change_no_figure(monkeypatch, model, mixed, device):
-    """The view operations a replay runs most (tfcli.inspection.memory._VIEWS: view, detach,
-    t, transpose, expand, unsqueeze, permute) run on a fake tensor as the fake mode runs one it
-    has not cached, its meta kernel, without the fake mode's dispatch (whose cache key costs
-    most of its 75-90 µs). Most of them no longer reach the fake mode (those on parameters
-    and constants still do), and the replays with and without agree on every figure: the
+def test_the_replays_shortcuts_past_the_fake_mode_change_no_figure(monkeypatch, model, mixed,
+                                                                   device):
+    """Two shortcuts take a replay's commonest operations past the fake mode's dispatch (whose
+    cache key costs most of its 60-130 µs): the view operations (tfcli.inspection.memory._VIEWS:
+    view, detach, t, transpose, expand, unsqueeze, permute) run on their meta kernel, as the
+    fake mode runs one it has not cached; and the functional operations (mm, mul, add, clone,
+    ...: tfcli.inspection.fake_answers.kept) are answered from the fake mode's own earlier
+    answers, kept under a cheaper key. Most such operations no longer reach the fake mode
+    (views on parameters and constants still do, and the first call of each kind), and a
+    replay with both and one without each agree on every figure: the
     peak, the optimizer's temporaries, the activation lines and every allocation and free of
     the step's timeline, in order. Under autocast the order of the frees when its cache of
-    casts is cleared varies from one replay to the next, without this change too (seen: a
+    casts is cleared varies from one replay to the next, without these shortcuts too (seen: a
     bias's cast freed 612th, then 615th): there each allocation and the set of frees are
     compared."""
     from dataclasses import replace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tfcli.inspection import memory
+    from tfcli.inspection import fake_answers, memory
     from tfcli.inspection.timeline import TimelineRecorder
     from tfcli.subjects import resolve_subject
 
     subject, sizes = (resolve_subject(model="hf:examples/llama-tiny"), {"B": 2, "L": 8}) \
         if model == "llama" else (OwnSubject(get_preset(model)), {"B": 2, "S": 8, "T": 8})
-    dispatch, reached, views = FakeTensorMode.dispatch, [], memory._VIEWS
+    dispatch, observe, reached, inside = FakeTensorMode.dispatch, \
+        memory._LiveStorages.__torch_dispatch__, [], [0]
+    views, kept = memory._VIEWS, fake_answers.kept
 
-    def counted(self, func, *args, **kwargs):
-        reached.append(func in views)
+    def counted(self, func, *args, **kwargs):  # what reaches the fake mode from a replay
+        if inside[0]:
+            reached.append(func)
         return dispatch(self, func, *args, **kwargs)
 
-    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    def observed(self, *args, **kwargs):
+        inside[0] += 1
+        try:
+            return observe(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
 
-    def replay() -> tuple[int, tuple]:
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    monkeypatch.setattr(memory._LiveStorages, "__torch_dispatch__", observed)
+
+    def replay(with_views: bool, with_kept: bool) -> tuple[int, int, tuple]:
+        monkeypatch.setattr(memory, "_VIEWS", views if with_views else frozenset())
+        monkeypatch.setattr(fake_answers, "kept", kept if with_kept else lambda func: False)
+        fake_answers._KEPT.clear()
         reached.clear()
         recorder = TimelineRecorder()
         step = memory._replay_step(subject, sizes, "fp32", mixed, "adamw", "auto", False,
@@ -416,15 +434,51 @@ def test_views_run_on_the_meta_kernel_and_change_no_figure(monkeypatch, model, m
         if mixed is not None:
             allocations = [replace(a, died=None) for a in allocations]
             events = sorted(events)
-        return sum(reached), (step.peak, step.optimizer_temporaries, activations.peak_bytes,
-                              activations.saved_bytes, allocations, events,
-                              recorder.timeline.phases)
+        return (sum(func in views for func in reached), sum(map(kept, reached)),
+                (step.peak, step.optimizer_temporaries, activations.peak_bytes,
+                 activations.saved_bytes, allocations, events, recorder.timeline.phases))
 
-    fast, figures = replay()
-    monkeypatch.setattr(memory, "_VIEWS", frozenset())
-    passed_on, passed_figures = replay()
-    assert fast < passed_on / 2, (fast, passed_on)
-    assert figures == passed_figures
+    fast_views, fast_kept, figures = replay(True, True)
+    slow_views, _, without_views = replay(False, True)
+    _, slow_kept, without_kept = replay(True, False)
+    assert fast_views < slow_views / 2, (fast_views, slow_views)
+    assert fast_kept < slow_kept / 2, (fast_kept, slow_kept)
+    assert figures == without_views == without_kept
+
+
+def test_a_kept_fake_answer_is_told_apart_by_what_decides_it(monkeypatch):
+    """A kept answer (tfcli.inspection.fake_answers) is reused only for a call the fake mode
+    would answer the same: a scalar's type decides the result's dtype (an int64 tensor times
+    2 stays int64, times 2.0 is float32) and an argument's strides decide the result's
+    (clone keeps them), and only the repeated call is not asked of the fake mode again. An
+    answer on an argument's own storage is not kept."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tfcli.inspection import fake_answers, memory
+
+    aten, dispatch, reached = torch.ops.aten, FakeTensorMode.dispatch, []
+
+    def counted(self, func, *args, **kwargs):
+        reached.append(func)
+        return dispatch(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    fake_answers._KEPT.clear()
+    with FakeTensorMode():
+        ints, rows = torch.empty(4, 3, dtype=torch.int64), torch.empty(4, 3)
+        columns = torch.empty(3, 4).t()
+        with memory._LiveStorages([]):
+            twice, half, again = (aten.mul.Scalar(ints, 2), aten.mul.Scalar(ints, 2.0),
+                                  aten.mul.Scalar(ints, 2))
+            copies = [aten.clone.default(t) for t in (rows, columns, rows, columns)]
+        key = fake_answers.key_of(aten.clone.default, (rows,), {})
+        fake_answers._KEPT.pop(key)
+        fake_answers.keep(key, (rows,), {}, rows)
+    assert (twice.dtype, half.dtype, again.dtype) == (torch.int64, torch.float32, torch.int64)
+    assert [c.stride() for c in copies] == [(3, 1), (1, 4), (3, 1), (1, 4)]
+    assert len({id(c.untyped_storage()) for c in copies}) == 4  # each a storage of its own
+    assert reached.count(aten.mul.Scalar) == 2 and reached.count(aten.clone.default) == 2
+    assert key is not None and fake_answers.answer(key) is None
 
 
 def test_attention_matrices_are_quadratic_for_naive_and_absent_for_cpu_flash():
