@@ -1,18 +1,20 @@
-"""The fake mode's answers to a replay's functional operations, kept under a cheaper key.
+"""The fake mode's answers to a replay's commonest operations, kept under a cheaper key.
 
 A replay (tfcli.inspection.memory) runs a model's step on fake tensors, and every operation
-that reaches FakeTensorMode costs 100-130 µs, cached or not: most of it is the computing of
+that reaches FakeTensorMode costs 60-130 µs, cached or not: most of it is the computing of
 its own cache key (each tensor's full metadata, its memory format among it) and the making
-of a fresh fake tensor from the cached entry. The operations that make new tensors from
-their arguments (mm, mul, add, clone, sum, ...: no argument written to, no alias returned,
-nothing random, no size that depends on values) give the same sizes, strides and dtypes for
-the same arguments' metadata, so ``answer`` asks the fake mode once per distinct call and
-afterwards makes the same tensors itself, as the fake mode makes them from its cache: an
-empty meta tensor of the kept sizes and strides, wrapped as a fake tensor of the kept
-device. The key holds what the fake mode's own key holds (the operation, the default dtype
-and device, inference mode, each tensor's dtype, sizes, strides, device, storage offset and
-size, autograd, conjugate and negative bits, and every other argument by type and value),
-so an answer is only ever reused where the fake mode's cache would reuse its own.
+of a fresh fake tensor from the cached entry. Two kinds of operation give the same answer
+for the same arguments' metadata (``kept``): those that make new tensors from their
+arguments (mm, mul, add, clone, sum, ...), and those that write to their first argument in
+place and return it (an optimizer's add_, mul_, addcdiv_; dropout's bernoulli_). ``answer``
+asks the fake mode once per distinct call and afterwards gives the answer itself: for the
+first kind, as the fake mode makes one from its cache (an empty meta tensor of the kept
+sizes and strides, wrapped as a fake tensor of the kept device); for the second, the
+argument written to. The key holds what the fake mode's own key holds (the operation, the
+default dtype and device, inference mode, each tensor's dtype, sizes, strides, device,
+storage offset and size, autograd, conjugate and negative bits, and every other argument by
+type and value), so an answer is only ever reused where the fake mode's cache would reuse
+its own.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 # Kept answers: key -> (whether the operation returns a tuple, one (sizes, strides, dtype,
-# device, requires_grad) per tensor returned), or None where the answer is not one this
-# module can make (an output sharing an argument's storage, a constant, ...).
-_KEPT: dict[tuple, tuple | None] = {}
+# device, requires_grad) per tensor returned), or _WRITES_SELF, or None where the answer is
+# not one this module can make (an output sharing an argument's storage, a constant, ...).
+_KEPT: dict[tuple, object] = {}
 _MOST = 100_000  # kept answers before they are all dropped (a long sweep of many sizes)
 # the arguments that are not tensors and are kept by value (with their type, as 1 and 1.0
 # and True are equal keys but promote differently)
@@ -35,23 +37,36 @@ _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.l
            torch.memory_format)
 
 
+NEW, SELF = "new", "self"  # what a kept operation returns: new tensors, or its first argument
+_WRITES_SELF = object()  # the kept answer of an operation that returns its first argument
+
+
 @functools.lru_cache(maxsize=None)
-def kept(func) -> bool:
-    """``func``'s answers can be kept: a built-in aten operation that writes to none of its
-    arguments, returns one or more new tensors and no alias of an argument, is not random,
-    and whose results' sizes do not depend on its arguments' values (which the fake mode
-    does not know)."""
+def kept(func) -> str | None:
+    """How ``func``'s answers can be kept, if they can: a built-in aten operation that is
+    not a lift, whose results' sizes do not depend on its arguments' values (which the fake
+    mode does not know), and either returns one or more new tensors, writes to none of its
+    arguments and aliases none (NEW: mm, mul, add, clone, ...), or writes to its first
+    argument only, in place, without changing its sizes or strides, and returns it (SELF:
+    add_, mul_, addcdiv_, bernoulli_, ...: an optimizer's step, dropout)."""
     if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
-        return False
+        return None
     schema, tags = func._schema, func.tags
-    if schema.is_mutable or not schema.returns or any(
-            r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
-        return False
-    return not any(tag in tags for tag in (
-        torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
-        torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view)) \
-        and func not in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
-                         torch.ops.aten._unsafe_view.default)
+    if any(tag in tags for tag in (torch.Tag.dynamic_output_shape, torch.Tag.inplace_view,
+                                   torch.Tag.data_dependent_output)) \
+            or func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
+                        torch.ops.aten._unsafe_view.default) or not schema.returns:
+        return None
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not written and all(r.alias_info is None and str(r.type) == "Tensor"
+                           for r in schema.returns):
+        return NEW
+    first = schema.arguments[0] if schema.arguments else None
+    if written == [first] and str(first.type) == "Tensor" and len(schema.returns) == 1 \
+            and schema.returns[0].alias_info is not None \
+            and set(schema.returns[0].alias_info.before_set) == set(first.alias_info.before_set):
+        return SELF
+    return None
 
 
 def _tensor_key(t: Tensor, mode) -> tuple | None:
@@ -115,12 +130,15 @@ def _make(mode, sizes, strides, dtype, device, requires_grad) -> FakeTensor:
     return FakeTensor(mode, meta, device)
 
 
-def answer(key: tuple):
-    """The tensors the fake mode answered the call of ``key`` with, made anew (new storages
-    of the same sizes, strides, dtypes and devices), or None where none is kept."""
+def answer(key: tuple, args):
+    """The tensors the fake mode answered the call of ``key`` on ``args`` with, made anew
+    (new storages of the same sizes, strides, dtypes and devices), or the first argument of
+    an operation that writes to it; None where no answer is kept."""
     entry = _KEPT.get(key)
     if entry is None:
         return None
+    if entry is _WRITES_SELF:
+        return args[0]
     is_tuple, outputs = entry
     mode = _current_mode()
     made = [_make(mode, *output) for output in outputs]
@@ -129,13 +147,16 @@ def answer(key: tuple):
 
 def keep(key: tuple, args, kwargs, out) -> None:
     """Keep the fake mode's answer ``out`` to the call of ``key`` where ``answer`` can make
-    it again exactly: fake tensors of the current mode, not constants, each on a storage of
+    it again exactly: the first argument itself for an operation that writes to it; else fake tensors of the current mode, not constants, each on a storage of
     its own that begins at its first element and is as large as its sizes and strides need
     (what an empty tensor of them gets), with the dispatch keys such a tensor has."""
     if key in _KEPT:
         return
     if len(_KEPT) >= _MOST:
         _KEPT.clear()
+    if kept(key[0]) == SELF:
+        _KEPT[key] = _WRITES_SELF if args and out is args[0] else None
+        return
     outputs = out if isinstance(out, tuple) else (out,)
     mode = _current_mode()
     inputs = {id(a.untyped_storage()) for a in _tensors(args, kwargs)}
