@@ -117,6 +117,19 @@ def key_of(func, args, kwargs) -> tuple | None:
     return tuple(key)
 
 
+def run(func, args, kwargs):
+    """``func`` on ``args`` and ``kwargs`` as the mode below answers it (a dispatch mode's
+    own call of it): the fake mode's kept answer to the same call where there is one, else
+    the mode's, kept where it can be."""
+    key = key_of(func, args, kwargs)
+    out = None if key is None else answer(key, args)
+    if out is None:
+        out = func(*args, **kwargs)
+        if key is not None:
+            keep(key, args, kwargs, out)
+    return out
+
+
 def _tracing() -> bool:
     """A proxy mode (make_fx) is tracing: the fake mode's key tells such calls apart."""
     proxy = getattr(torch._C._TorchDispatchModeKey, "PROXY", None)
