@@ -160,9 +160,10 @@ def answer(key: tuple, args):
 
 def keep(key: tuple, args, kwargs, out) -> None:
     """Keep the fake mode's answer ``out`` to the call of ``key`` where ``answer`` can make
-    it again exactly: the first argument itself for an operation that writes to it; else fake tensors of the current mode, not constants, each on a storage of
-    its own that begins at its first element and is as large as its sizes and strides need
-    (what an empty tensor of them gets), with the dispatch keys such a tensor has."""
+    it again exactly: for an operation that writes to its first argument, that argument
+    itself; else fake tensors of the current mode, not constants, each on a storage of its
+    own that begins at its first element and is as large as its sizes and strides need (what
+    an empty tensor of them gets), with the dispatch keys such a tensor has."""
     if key in _KEPT:
         return
     if len(_KEPT) >= _MOST:
