@@ -379,7 +379,7 @@ def test_a_products_batched_result_is_a_cached_view_and_changes_no_figure(monkey
 def test_the_replays_shortcuts_past_the_fake_mode_change_no_figure(monkeypatch, model, mixed,
                                                                    device):
     """Two shortcuts take a replay's commonest operations past the fake mode's dispatch (whose
-    cache key costs most of its 60-130 µs): the view operations (tfcli.inspection.memory._VIEWS:
+    cache key costs most of its 60-130 µs): the view operations (tfcli.inspection.fake_answers.VIEWS:
     view, detach, t, transpose, expand, unsqueeze, permute) run on their meta kernel, as the
     fake mode runs one it has not cached; and the functional operations (mm, mul, add, clone,
     ...: tfcli.inspection.fake_answers.kept) are answered from the fake mode's own earlier
@@ -403,7 +403,7 @@ def test_the_replays_shortcuts_past_the_fake_mode_change_no_figure(monkeypatch, 
         if model == "llama" else (OwnSubject(get_preset(model)), {"B": 2, "S": 8, "T": 8})
     dispatch, observe, reached, inside = FakeTensorMode.dispatch, \
         memory._LiveStorages.__torch_dispatch__, [], [0]
-    views, kept = memory._VIEWS, fake_answers.kept
+    views, kept = fake_answers.VIEWS, fake_answers.kept
 
     def counted(self, func, *args, **kwargs):  # what reaches the fake mode from a replay
         if inside[0]:
@@ -421,7 +421,7 @@ def test_the_replays_shortcuts_past_the_fake_mode_change_no_figure(monkeypatch, 
     monkeypatch.setattr(memory._LiveStorages, "__torch_dispatch__", observed)
 
     def replay(with_views: bool, with_kept: bool) -> tuple[int, int, tuple]:
-        monkeypatch.setattr(memory, "_VIEWS", views if with_views else frozenset())
+        monkeypatch.setattr(fake_answers, "VIEWS", views if with_views else frozenset())
         monkeypatch.setattr(fake_answers, "kept", kept if with_kept else lambda func: None)
         fake_answers._KEPT.clear()
         reached.clear()

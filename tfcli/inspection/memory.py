@@ -18,9 +18,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 from torch.utils._pytree import tree_flatten
 
 from tfcli.inspection import fake_answers
@@ -79,37 +77,6 @@ _WAIT = getattr(_WAIT, "default", None)
 # inputs): a tensor sharing its input's storage, as a view is, but whose schema says it does
 # not alias, so FakeTensorMode answers each one afresh instead of from its cache
 _UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
-# The view operations a replay runs most (in a step of GPT-2 small 1,608 of 2,907 operations:
-# view, detach, t, transpose, expand; most from autograd's backward formulas and from
-# nn.Parameter, which detaches), run on a fake tensor as its fake mode runs one it has not
-# cached: the meta kernel on the tensor's meta storage, its result made a fake tensor of the
-# same device (_fake_view). The fake mode's cached answer, 75-90 µs each, is mostly the
-# computing of its cache key; this way a replay of GPT-2 small's step and activations took
-# 0.56 s instead of 0.74.
-_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.t.default,
-                    torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
-                    torch.ops.aten.detach.default, torch.ops.aten.unsqueeze.default,
-                    torch.ops.aten.permute.default})
-
-
-def _plain_fake(t) -> bool:
-    """``t`` is a fake tensor of its own class (not a parameter), strided, not a constant
-    (the fake mode's own path carries a constant's value on), of the mode next on the
-    dispatch stack (no other mode between, which would see the operation), without symbolic
-    sizes, outside the mode's own kernels."""
-    return (type(t) is FakeTensor and t.constant is None and t.layout is torch.strided
-            and t.fake_mode.shape_env is None and not t.fake_mode.in_kernel_invocation
-            and _current_mode() is t.fake_mode)
-
-
-def _fake_view(func, args):
-    """``func`` (one of _VIEWS) on the fake tensor ``args[0]``: its meta kernel, which makes
-    a view of the same storage (or raises what the fake mode would raise), wrapped as the
-    fake mode wraps a meta result."""
-    mode = args[0].fake_mode
-    with in_kernel_invocation_manager(mode):
-        meta = func(*args)
-    return FakeTensor(mode, meta, args[0].fake_device)
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -149,12 +116,9 @@ class _LiveStorages(TorchDispatchMode):
         # the strides do not allow it), and the view is answered from the fake mode's cache
         # (GPT-2 small's and the base model's replays 5-10 % faster)
         run = _VIEW if func is _UNSAFE_VIEW and hasattr(args[0], "fake_mode") else func
-        kwargs = kwargs or {}
-        if run in _VIEWS and not kwargs and _plain_fake(args[0]):
-            out = _fake_view(run, args)
-        else:  # the fake mode's answer to the same call, where one is kept: mm, mul, add, ...
-            # (tfcli.inspection.fake_answers; GPT-2 small's step and activations 0.58 -> 0.45 s)
-            out = fake_answers.run(run, args, kwargs)
+        # views run as views, the fake mode's answers to mm, mul, add, ... kept
+        # (tfcli.inspection.fake_answers; GPT-2 small's step and activations 0.74 -> 0.45 s)
+        out = fake_answers.run(run, args, kwargs or {})
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
                 storage = storage_of(t)
