@@ -45,9 +45,16 @@ signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # watchers are reaped by the kern
 listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
 listener.listen(64)
+listener.settimeout(1.0)  # to look, once a second, whether the process that started it is gone
+parent = os.getppid()
 print("ready", flush=True)
 while True:
-    conn, _ = listener.accept()
+    try:
+        conn, _ = listener.accept()  # a blocking socket (no default timeout is set)
+    except TimeoutError:
+        if os.getppid() != parent:  # started by a script that ended without a session's
+            os._exit(0)  # clean-up: the server ends (a watcher ends when its child does)
+        continue
     if os.fork():
         conn.close()
         continue
