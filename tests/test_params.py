@@ -379,11 +379,11 @@ def test_a_products_batched_result_is_a_cached_view_and_changes_no_figure(monkey
 def test_the_replays_shortcuts_past_the_fake_mode_change_no_figure(monkeypatch, model, mixed,
                                                                    device):
     """Two shortcuts take a replay's commonest operations past the fake mode's dispatch (whose
-    cache key costs most of its 60-130 µs): the view operations (tfcli.inspection.fake_answers.VIEWS:
-    view, detach, t, transpose, expand, unsqueeze, permute) run on their meta kernel, as the
-    fake mode runs one it has not cached; and the functional operations (mm, mul, add, clone,
-    ...: tfcli.inspection.fake_answers.kept) are answered from the fake mode's own earlier
-    answers, kept under a cheaper key. Most such operations no longer reach the fake mode
+    cache key costs most of its 60-130 µs), both in tfcli.inspection.fake_answers: the view
+    operations (VIEWS: view, detach, t, transpose, expand, unsqueeze, permute) run on their
+    meta kernel, as the fake mode runs one it has not cached; and the functional operations
+    (kept: mm, mul, add, clone, ...) are answered from the fake mode's own earlier answers,
+    kept under a cheaper key. Most such operations no longer reach the fake mode
     (views on parameters and constants still do, and the first call of each kind), and a
     replay with both and one without each agree on every figure: the
     peak, the optimizer's temporaries, the activation lines and every allocation and free of
