@@ -264,7 +264,8 @@ def test_profile_traces_and_how_to_open_them(cli, tmp_path):
     """Also a regression test: brackets in printed text are not taken for Rich markup."""
     traces = tmp_path / "traces [run 1]"
     result = cli("bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--kernels",
-                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--profile", str(traces))
+                 "sdpa", "--pass", "fwd", "--min-time", "0.005", "--max-time", "0.05",
+                 "--profile", str(traces))
     assert result.exit_code == 0, result.stderr
     words = " ".join(result.stdout.split())  # as a reader sees it, whatever the wrapping
     assert "pip install torch-tb-profiler tensorboard" in words and str(traces) in result.stdout
