@@ -470,13 +470,15 @@ def test_unreliable_cells_get_extra_rounds_up_to_max_time(monkeypatch):
     to --max-time and is then given up as unreliable, saying why."""
     import itertools
 
-    def sweep_with(samples):
+    def sweep_with(samples, overhead=1.0):
+        """Each block measures its scripted sample and takes ``overhead`` times it."""
         script = itertools.cycle(samples)
 
         def block(self):
             self.number = 1
             self.samples.append(next(script))
             self.runs += 1
+            self.wall += overhead * self.samples[-1]
             return self.samples[-1]
 
         monkeypatch.setattr(CellTimer, "block", block)
@@ -491,6 +493,25 @@ def test_unreliable_cells_get_extra_rounds_up_to_max_time(monkeypatch):
     noisy = sweep_with([0.01, 0.02, 0.005, 0.03])
     assert sum(noisy.samples_s) >= 0.5 and noisy.n > 20
     assert noisy.reliable is False and "IQR" in noisy.unreliable_why
+    # --max-time is time on the clock: blocks that take four times what they measure (a tiny
+    # cell's timer set-up) give a noisy cell a quarter of the measured runs, not four times
+    # the seconds (a test of one L = 16 cell once took 23.8 s at the default --max-time 5)
+    slow = sweep_with([0.01, 0.02, 0.005, 0.03], overhead=4.0)
+    assert 0.5 / 4 <= sum(slow.samples_s) < 0.5 / 4 + 0.03 and slow.reliable is False
+
+
+def test_a_block_counts_the_time_it_took_on_the_clock():
+    """What --max-time counts: each block's own time, the timer's set-up included, at least
+    the runs it measured."""
+    import time
+
+    timer = CellTimer(lambda: None, "cpu", 1)
+    timer.warm_up(0.001)
+    start = time.perf_counter()
+    for _ in range(5):
+        timer.block()
+    took = time.perf_counter() - start
+    assert timer.spent <= timer.wall <= took and timer.wall > 0.5 * took
 
 
 def test_csv_carries_reliability(cli, tmp_path):

@@ -125,7 +125,9 @@ def bench(
         min=0.0, max=3600.0,
         help="Seconds of measurement per cell, at least (and 3 samples).")] = 0.5,
     max_time: Annotated[float, typer.Option(min=0.0, max=3600.0,
-                                            help="Seconds per cell, at most.")] = 5.0,
+                                            help="Seconds per cell, at most: a cell not yet "
+                                                 "reliable gets rounds until its timed blocks "
+                                                 "have taken this long on the clock.")] = 5.0,
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure this machine's matmul peak per device and dtype, for % "
                             "of peak.")] = False,
