@@ -15,14 +15,16 @@ killed outright takes the child with it.
 The server imports torch and torch._dynamo (which torch's fake tensors load at their first
 dispatch: 1.3 s more of CPU in every child that replays a step) and, where it is installed,
 Transformers with its modelling base (1.2 s of CPU less in a child that builds a Hugging Face
-model: four such commands took 2.9-3.0 s in a child, 1.7-2.2 s with it), then freezes what it imported
-out of the garbage collector (gc.freeze), so that a child's collections and the teardown at its
-end walk only the child's own objects: a child running ``-c pass`` took 0.80 s of CPU without
-it, 0.27 s with it; ``-m tfcli presets`` 0.32 s and 0.22 s (a child that touches a page of the
-server's heap copies it, and a full collection touches them all). Not for what an interpreter
-decides as it starts: the streams' encoding (PYTHONIOENCODING), ``sys.path`` from PYTHONPATH,
-what is imported before tfcli, torch's probes for optional packages as it is imported (a
-planted triton.py), a process that must fail to import torch. Those start ``python`` itself.
+model: four such commands took 2.9-3.0 s in a child, 1.7-2.2 s with it), then freezes what it
+imported out of the garbage collector (gc.freeze), so that a child's collections and the
+teardown at its end walk only the child's own objects: a child running ``-c pass`` took 0.80 s
+of CPU without it, 0.27 s with it; ``-m tfcli presets`` 0.32 s and 0.22 s (a child that touches
+a page of the server's heap copies it, and a full collection touches them all). Not tfcli
+itself: its console is made as it is imported, from the child's stdout and COLUMNS. Not for
+what an interpreter decides as it starts: the streams' encoding (PYTHONIOENCODING),
+``sys.path`` from PYTHONPATH, what is imported before tfcli, torch's probes for optional
+packages as it is imported (a planted triton.py), a process that must fail to import torch.
+Those start ``python`` itself.
 """
 
 from __future__ import annotations
