@@ -17,7 +17,10 @@ KERNELS = [k for k in ("naive", "sdpa", "sdpa-math", "sdpa-flash") if probe(k, "
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention(benchmark, kernel, which, length):
     prepared = prepare_attention(kernel, which, 1, 8, 64, length, False, "cpu", torch.float32)
-    peak, method = peak_memory(prepared.run, "cpu")
+    # The peak (a run under the profiler, which also warms the timed runs up) is a measuring
+    # run's figure; a smoke run's check of peaks is test_sdpa_memory_is_far_below_naive.
+    if not benchmark.disabled:
+        peak, method = peak_memory(prepared.run, "cpu")
     benchmark.group = f"attention {which} L={length}"
     benchmark(synced(prepared.run))
     if not benchmark.disabled:
