@@ -214,6 +214,11 @@ while True:
         self.server.wait()
         self._reader.join()
 
+    def stop(self) -> None:
+        """End the server at once, whatever it is doing (it may still be importing)."""
+        self.server.kill()
+        self.close()
+
 
 def runs(commands: Callable[..., list[list[str]]]):
     """Mark a test with the commands it runs in a smoke run (``processes.run``), as a function
@@ -248,20 +253,36 @@ _SHARED = pytest.StashKey[str]()
 
 
 def pytest_configure(config) -> None:
+    """A smoke run (--benchmark-disable) starts its fork server now, so that the server's
+    imports (about 3 s of CPU) overlap the collection of the tests, instead of following it."""
     config.addinivalue_line("markers", "smoke_runs(commands): what a smoke run starts ahead "
                                        "for the test (benchmarks/conftest.py: runs)")
+    if config.getoption("benchmark_disable"):
+        config.stash[_FORKED] = ForkedProcesses()
 
 
 def pytest_collection_finish(session) -> None:
-    """A smoke run (--benchmark-disable) whose selection runs commands starts their server as
-    soon as the tests are known, with the commands the selected tests declare, so that the
-    server's imports and those commands overlap the in-process benchmarks; a selection
-    without any starts none."""
-    if session.config.getoption("benchmark_disable") and any(
-            "processes" in item.fixturenames for item in session.items):
-        forked = session.config.stash[_FORKED] = ForkedProcesses()
+    """A smoke run's fork server (started at configuration) is given the commands the selected
+    tests declare as soon as the tests are known, so that those commands overlap the
+    in-process benchmarks; a selection that runs none stops the server.
+
+    Hypothesis's pytest plugin (the [test] extra installs hypothesis for tests/) imports
+    hypothesis as the session ends, to report on the tests that used it: about a second,
+    since pytest rewrites the asserts of every module of a plugin's distribution as it is
+    imported. A selection that has not imported hypothesis by now has none of its tests (the
+    benchmarks use none), so the plugin is taken out of the session."""
+    hypothesis_plugin = session.config.pluginmanager.get_plugin("hypothesispytest")
+    if hypothesis_plugin is not None and "hypothesis" not in sys.modules:
+        session.config.pluginmanager.unregister(hypothesis_plugin)
+    if _FORKED not in session.config.stash:
+        return
+    if any("processes" in item.fixturenames for item in session.items):
         where = _shared_dir(session.config)
+        forked = session.config.stash[_FORKED]
         forked.ahead(args for item in session.items for args in _declared(item, where))
+    else:
+        session.config.stash[_FORKED].stop()
+        del session.config.stash[_FORKED]
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
@@ -295,7 +316,7 @@ def shared_dir(request) -> Path:
 @pytest.fixture(scope="session")
 def processes(request) -> Processes:
     """How commands run: fresh interpreters when measuring; in a smoke run children of one
-    interpreter that imported torch once (started at collection's end)."""
+    interpreter that imported torch once (started as the session is configured)."""
     if not request.config.getoption("benchmark_disable"):
         return Processes()
     return request.config.stash[_FORKED]
