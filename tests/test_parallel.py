@@ -644,7 +644,7 @@ def test_nccl_without_gpus_is_refused_in_one_line():
 @pytest.mark.parametrize("args,message", [
     (["--what", "model", "-p", "tiny", "--nproc", "2", "--backend", "nccl"],
      "--backend nccl needs 2 CUDA GPUs"),
-    (["-p", "tiny", "--strategy", "tp"], "--strategy and --backend apply to --nproc N"),
+    (["-p", "tiny", "--strategy", "tp"], "--strategy: for the ranks of --nproc N"),
     (["-p", "tiny", "--nproc", "2", "--batch-size", "2"], "add --what model"),
     (["--what", "model", "-p", "tiny", "--nproc", "3", "--strategy", "tp"],
      "n_heads=4, n_kv_heads=4 and d_ff=48 must be divisible by 3"),

@@ -12,6 +12,7 @@ from tfcli.cli import app
 from tfcli.cli.rules import Needs, Rule, Rules
 
 COMMANDS = typer.main.get_command(app).commands
+TABLES = ["params", "shapes", "masks", "bench", "config"]  # every command with options to refuse
 
 
 def _rules(name: str) -> Rules:
@@ -19,7 +20,7 @@ def _rules(name: str) -> Rules:
     return getattr(getattr(callback, "__wrapped__", callback), "rules")
 
 
-@pytest.mark.parametrize("name", ["params", "shapes", "masks", "bench"])
+@pytest.mark.parametrize("name", TABLES)
 def test_every_rule_names_an_option_of_its_command(name):
     """A misspelt parameter name would make its rule silently never apply."""
     options = {param.name for param in COMMANDS[name].params}
@@ -27,7 +28,7 @@ def test_every_rule_names_an_option_of_its_command(name):
     assert named and named <= options, sorted(named - options)
 
 
-@pytest.mark.parametrize("name", ["params", "shapes", "masks", "bench"])
+@pytest.mark.parametrize("name", TABLES)
 def test_help_states_every_condition(cli, name):
     # a cell's text wraps onto lines of its own between the panel's borders: the borders go
     text = " ".join(re.sub("[│╭╮╰╯─]", " ", cli(name, "--help",
@@ -37,7 +38,7 @@ def test_help_states_every_condition(cli, name):
             assert needs.shown in text, (rule.names, needs.shown)
 
 
-@pytest.mark.parametrize("name", ["params", "shapes", "masks", "bench"])
+@pytest.mark.parametrize("name", TABLES)
 def test_every_refusal_starts_with_the_option_it_refuses(name):
     """A refusal that names {option} later, after words, would read "tfcli: error: is not
     modelled ..." (it did, for --optimizer-impl with --parallel)."""
@@ -46,6 +47,70 @@ def test_every_refusal_starts_with_the_option_it_refuses(name):
             text = needs.refusal
             assert "{option}" not in text or text.startswith(("{option}", "--")), \
                 (rule.names, text)
+
+
+def test_every_command_but_presets_has_a_table():
+    """presets takes --json alone; every other command's combinations are in its table."""
+    assert sorted(TABLES) == sorted(set(COMMANDS) - {"presets"})
+
+
+PLANTED = "open(__file__ + '.imported', 'w').close()\n\ndef build():\n    raise SystemExit(3)\n"
+
+
+@pytest.mark.parametrize("args,refusal", [
+    (["params", "--model", "{m}", "--inference", "--seq-len", "8", "--timeline", "t.html"],
+     "--timeline with --inference draws tfcli's own model"),
+    (["params", "--model", "{m}", "--input", "x=float32[B,L]", "--seq-len", "8", "--dtype",
+      "int8"], "--seq-len with --dtype int8: activations need a floating dtype"),
+    # an internal error once (the serving search made int8 the default dtype)
+    (["params", "-p", "tiny", "--inference", "--fit", "seq-len", "--device-memory", "1GiB",
+      "--dtype", "int8"], "--fit seq-len with --dtype int8: the search replays steps"),
+    # was "--parallel with --dtype int8", an option not typed
+    (["params", "-p", "tiny", "--fit", "seq-len", "--device-memory", "1GiB", "--dtype", "int8"],
+     "--fit seq-len with --dtype int8"),
+    (["params", "-p", "tiny", "--device-memory", "1GiB", "--dtype", "int8"],
+     "--device-memory with --dtype int8: the per-rank plan sizes a training step"),
+    (["params", "-p", "tiny", "--fit", "batch", "--seq-len", "8"],
+     "--fit needs --device-memory to fit into: add --device-memory SIZE|GPU"),
+    (["params", "-p", "tiny", "--fit", "batch", "--device-memory", "1GiB"],
+     "--fit batch needs --seq-len"),
+    (["params", "--model", "{m}", "--input", "x=float32[B,L]", "--fit", "batch", "--dim",
+      "B=2", "--seq-len", "8", "--device-memory", "1GiB"],
+     "--dim B=2 with --fit batch: the search sets B"),
+    (["params", "--model", "{m}", "--input", "x=float32[B,L]", "--parallel", "dp=2", "--dim",
+      "B=2", "--seq-len", "8"], "--dim B=2 with --parallel: the plan divides B over the ranks"),
+    (["params", "--param-count", "7e9", "--parallel", "dp=2,ep=2"],
+     "--param-count with --parallel ep=2: a stated size has no experts to split"),
+    (["masks", "--model", "{m}", "--pad-id", "0"],
+     "--pad-id pads the sequences --lengths describes"),
+    (["bench", "--model", "{m}"], "--model {m}: --what attention times the attention core"),
+    (["bench", "--what", "model", "--model", "{m}", "--nproc", "2"],
+     "--nproc needs tfcli's own configuration"),
+    (["bench", "--backend", "gloo"], "--backend: for the ranks of --nproc N"),
+    (["shapes", "--model", "{m}", "--hf-class", "X"], "--hf-class applies to --model hf:PATH"),
+    (["shapes", "--model", "{m}", "--attn-implementation", "eager"],
+     "--attn-implementation applies to --model hf:PATH"),
+    (["shapes", "--model", "hf:examples/llama-tiny", "--model-arg", "a=1"],
+     "--model-arg applies to --model FILE.py:NAME"),
+    (["shapes", "--model", "{m}", "--preset", "tiny"], "--model with --preset: those configure"),
+    (["config", "--fields", "--set", "d_model=8"],
+     "--fields lists the keys themselves; it takes no --set"),
+])
+def test_a_combination_is_refused_by_the_table_before_any_model_is_imported(
+        cli, tmp_path, monkeypatch, args, refusal):
+    """Combinations once refused inside the commands (some after the user's model was
+    imported and built, one as an internal error, one naming an option not typed), now
+    rules of the commands' tables: one line, exit 2, and the model file never imported."""
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / "planted_model.py"
+    planted.write_text(PLANTED)
+    model = f"{planted}:build"
+    result = cli(*[a.replace("{m}", model) for a in args])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"tfcli: error: {refusal.replace('{m}', model)}"), \
+        result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "planted_model.py.imported").exists()
 
 
 def test_help_states_the_conditions_once_however_often_it_is_shown(cli):

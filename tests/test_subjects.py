@@ -605,7 +605,8 @@ def test_bad_user_models(cli, tmp_path, case):
     (["--model", "torch.nn:Linear", "--model-arg", "in_features=2",
       "--model-arg", "out_features=2", "--hf-class", "X"], "--hf-class applies"),
     (["--model", "hf:examples/llama-tiny", "--hf-class", ""], "--hf-class '': give a"),
-    (["--preset", "tiny", "--hf-class", " "], "--hf-class ' ': give a"),
+    (["--model", "hf:examples/llama-tiny", "--hf-class", " "], "--hf-class ' ': give a"),
+    (["--preset", "tiny", "--hf-class", "X"], "--hf-class applies to --model"),
 ])
 def test_bad_model_options(cli, args, words):
     result = cli("params", *args)

@@ -9,12 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (SUBJECT_RULES, AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list,
                                resolve_subject)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
-from tfcli.cli.rules import Needs, Rule, Rules
+from tfcli.cli.rules import Needs, Rule, Rules, own_model
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -35,15 +35,20 @@ class _WriteFailed(Exception):
     """An output could not be written mid-sweep: the sweep ends, the table is still printed."""
 
 
-def _ranks(v) -> bool:
-    """Whether this run is on torch.distributed ranks (--nproc, or started by torchrun)."""
+def _torchrun_world() -> int | None:
     from tfcli.parallel.bench import torchrun_world
 
+    return torchrun_world()
+
+
+def _ranks(v) -> bool:
+    """Whether this run is on torch.distributed ranks (--nproc, or started by torchrun)."""
     return (v.nproc is not None or v.strategy is not None or v.backend is not None
-            or torchrun_world() is not None)
+            or v.torchrun is not None)
 
 
 RULES = Rules(
+    SUBJECT_RULES,
     Rule("tokens", Needs(lambda v: not v.typed("batch_size"), "not with --batch-size",
                          "{option} and --batch-size: give one (with --tokens, batch = tokens / "
                          "L)")),
@@ -67,7 +72,19 @@ RULES = Rules(
     Rule("dim", Needs(lambda v: False, "not in bench: --batch-size and --seq-lens set the sizes",
                       "{option}: bench sets B from --batch-size and every length letter from "
                       "--seq-lens")),
-    derived={"ranks": _ranks},
+    Rule(("strategy", "backend"), Needs(
+        lambda v: v.nproc is not None or v.torchrun is not None, "only with --nproc",
+        "{option}: for the ranks of --nproc N (on this machine) only; add --nproc N")),
+    Rule("nproc", Needs(lambda v: v.what == "model", "only with --what model",
+                        "runs training steps of the model: add --what model"),
+         own_model("needs tfcli's own configuration (--preset/--config/--set): its layers are "
+                   "what DDP, FSDP and tensor parallelism are applied to")),
+    Rule("model_ref", Needs(
+        lambda v: v.what == "model" or v.model_ref.startswith("hf:"),
+        "with --what attention: only hf:PATH",
+        "{option} {value}: --what attention times the attention core alone, sized by "
+        "--heads/--head-dim, and uses nothing of the module; add --what model")),
+    derived={"torchrun": lambda v: _torchrun_world(), "ranks": _ranks},
 )
 
 
@@ -201,10 +218,6 @@ def bench(
         if cfg is not None and cfg.positional != "none" and longest > cfg.max_seq_len:
             raise TfcliError(f"--seq-lens: {longest} exceeds max_seq_len={cfg.max_seq_len}; "
                              f"add --set max_seq_len={longest}")
-    elif cfg is None and subject.kind != "hf":  # nothing of a module sizes the core
-        raise TfcliError(f"--model {subject.label}: --what attention times the attention core "
-                         f"alone, sized by --heads/--head-dim, and uses nothing of the module; "
-                         f"add --what model")
     if tgt_len is not None and not {"S", "T"} <= set(subject.length_dims()):
         raise TfcliError("--tgt-len fixes the target length of an encoder-decoder model; this "
                          "model has one length, swept by --seq-lens")

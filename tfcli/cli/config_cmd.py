@@ -10,12 +10,19 @@ import typer
 
 from tfcli.cli.options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, resolve_config
 from tfcli.cli.process import print_json, stdout
-from tfcli.errors import TfcliError
+from tfcli.cli.rules import Needs, Rule, Rules
 
 FieldsOpt = Annotated[bool, typer.Option(
     "--fields", help="List every configuration key: type, allowed values, default, meaning.")]
 MarkdownOpt = Annotated[bool, typer.Option(
     "--markdown", help="With --fields: a Markdown table (the README's).")]
+
+RULES = Rules(
+    Rule(("preset", "config", "set_"), Needs(
+        lambda v: not v.fields, "not with --fields",
+        "--fields lists the keys themselves; it takes no {option}")),
+    Rule("markdown", Needs(lambda v: v.fields, "only with --fields", "goes with --fields")),
+)
 
 
 def config(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
@@ -23,13 +30,9 @@ def config(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = No
            json_out: JsonOpt = False) -> None:
     """Print the resolved configuration as TOML (loadable again with --config) or JSON; with
     --fields, the keys --set and --config accept."""
+    RULES.apply(locals())
     if fields:
-        if preset or config or set_:
-            raise TfcliError("--fields lists the keys themselves; it takes no --preset, "
-                             "--config or --set")
         return _fields(markdown, json_out)
-    if markdown:
-        raise TfcliError("--markdown goes with --fields")
     from tfcli.model.config import to_toml
 
     cfg = resolve_config(preset, config, set_)
@@ -39,6 +42,9 @@ def config(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = No
                                 "embed_dim": cfg.embed_dim}})
         return
     sys.stdout.write(f"# tfcli configuration: {cfg.kind}, d_k = {cfg.d_k}\n" + to_toml(cfg))
+
+
+config.rules = RULES
 
 
 def _fields(markdown: bool, json_out: bool) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (SUBJECT_RULES, AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, int_list, resolve_subject,
                                sizes)
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
@@ -42,6 +42,7 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
 
 
 RULES = Rules(
+    SUBJECT_RULES,
     Rule("batch_index", Needs(
         lambda v: not v.json_out or v.png is not None, "not with --json alone",
         "{option} {value} picks the sequence drawn; --json holds every sequence (use it with "
@@ -71,7 +72,10 @@ RULES = Rules(
     Rule("pad_id", Needs(
         lambda v: v.model_ref is not None or v.src_ids is not None or v.tgt_ids is not None,
         "only with --src-ids/--tgt-ids or --model",
-        "marks padding in --src-ids/--tgt-ids; give ids, or use --src-lens/--tgt-lens")),
+        "marks padding in --src-ids/--tgt-ids; give ids, or use --src-lens/--tgt-lens"),
+         Needs(lambda v: v.model_ref is None or v.lengths or v.causal,
+               "with --model: only with --lengths or --causal",
+               "pads the sequences --lengths describes; add --lengths NAME=N,N")),
     Rule("max_memory", Needs(
         lambda v: v.check or v.model_ref is not None, "only with --check or --model",
         "bounds masks --check; drawing the grids costs the same at any length")),
@@ -365,8 +369,6 @@ def _masks_any(subject, causal: list[str], lengths_text: list[str], pad_id: int 
     batches = {len(v) for v in lengths.values()}
     if len(batches) > 1:
         raise TfcliError("--lengths: give the same number of sequences for every input")
-    if pad_id is not None and not lengths and not causal:
-        raise TfcliError("--pad-id pads the sequences --lengths describes; add --lengths NAME=N,N")
     if pad_id is not None and not 0 <= pad_id <= 2**63 - 1:  # ids are int64 tensors
         raise TfcliError(f"--pad-id {pad_id}: a token id is from 0 to {2**63 - 1:,} (int64)")
     dims = sizes(subject, batches.pop() if batches else 2, 9, 7, dim)

@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperCommand
 
 from tfcli.cli.outputs import refuse_empty_paths
+from tfcli.cli.rules import Needs, Rule, Rules, any_model
 from tfcli.errors import TfcliError
 
 # typer >= 0.29 vendors click; its names are not re-exported at the top level.
@@ -76,6 +77,34 @@ MaxMemoryOpt = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE", show_default=False,
     help="Memory a real run may use, e.g. 8GiB (default: what is available: MemAvailable, "
          "the cgroup limit, RLIMIT_AS, CUDA free memory). A run estimated above it is refused.")]
+
+
+def _hf(v) -> bool:
+    return v.model_ref is not None and v.model_ref.startswith("hf:")
+
+
+_OWN_TAKES = "applies to --model; tfcli's own model takes --preset/--config/--set"
+
+# Which model the options name, in every command's table (first): --model or tfcli's own
+# configuration, and what each kind of --model takes. (tfcli.subjects.resolve_subject checks
+# the same of a library call, where nothing is typed.)
+SUBJECT_RULES = Rules(
+    Rule(("preset", "config", "set_"), Needs(
+        lambda v: v.model_ref is None, "not with --model",
+        "--model with {option}: those configure tfcli's own model; give one or the other")),
+    Rule("attn_implementation", Needs(
+        lambda v: v.model_ref is not None, "only with --model hf:PATH",
+        "applies to --model hf:PATH; tfcli's own model chooses with --set attention=naive|sdpa"),
+         Needs(_hf, "only with --model hf:PATH", "applies to --model hf:PATH")),
+    Rule("model_arg", any_model(_OWN_TAKES), Needs(
+        lambda v: not _hf(v), "not with --model hf:",
+        "applies to --model FILE.py:NAME; a Hugging Face config is configured by its "
+        "config.json")),
+    Rule("hf_class", Needs(lambda v: v.model_ref is not None, "only with --model hf:PATH",
+                           _OWN_TAKES),
+         Needs(_hf, "only with --model hf:PATH", "applies to --model hf:PATH")),
+    Rule("input_", any_model(_OWN_TAKES)),
+)
 
 
 def resolve_config(preset: str | None, config: Path | None, overrides: list[str] | None):

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt,
+from tfcli.cli.options import (SUBJECT_RULES, AttnImplementation, MAX_SIZE, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt,
                                MaxMemoryOpt, ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given,
                                max_seq_len_hint, refuse_unused_sizes, resolve_subject, sizes)
 from tfcli.cli.process import print_json, stdout
@@ -96,7 +96,7 @@ def _sized_without_length(v) -> bool:
 def _per_rank(v) -> str | None:
     """The first option that asks for the per-rank plan (None: one device; with --inference,
     --device-memory and --fit ask whether serving fits one device)."""
-    serving = () if v.inference else (("--device-memory", v.device_memory), ("--fit", v.fit_))
+    serving = () if v.inference else (("--fit", v.fit_), ("--device-memory", v.device_memory))
     return next((o for o, value in (("--parallel", v.parallel), ("--checkpointing", v.checkpointing),
                                     ("--micro-batches", v.micro_batches), *serving,
                                     ("--precision", v.precision if v.precision not in
@@ -119,10 +119,35 @@ STEP_OR_SEARCH = Needs(lambda v: v.sized, ONLY_SIZED,
                        "applies to the memory of a step: add --seq-len L (and --batch-size B), "
                        "or --fit seq-len (a --model whose inputs have no sequence: --batch-size "
                        "B)")
-SERVING_FIT = Needs(lambda v: not v.inference or v.device_memory is not None,
-                    "with --inference: only with --device-memory",
-                    "{option} {value} --inference searches what fits --device-memory: add "
-                    "--device-memory SIZE|GPU")
+FITS_INTO = Needs(lambda v: v.device_memory is not None, "only with --device-memory",
+                  "{option} needs --device-memory to fit into: add --device-memory SIZE|GPU "
+                  "(e.g. 80GiB or H100)")
+
+
+def _floating(v) -> bool:
+    """Whether the model runs in a floating dtype: int8 is counted for weights alone."""
+    return v.dtype is not DType.int8 or v.mixed_precision is not Mixed.none
+
+
+FLOATING = Needs(_floating, "not with --dtype int8",
+                 "{option} with --dtype int8: activations need a floating dtype (int8 is "
+                 "counted for weights only)")
+
+
+def _dim_set_elsewhere(v) -> str | None:
+    """Why the first --dim for a letter that --fit searches or that the per-rank plan divides
+    over ranks (B over dp) cannot be given: it would silently win over the search's or the
+    plan's value. (A length is --seq-len's: the table refuses it as --dim.)"""
+    for text in v.dim or []:
+        letter = text.partition("=")[0].strip()
+        if v.fit_ is Fit.batch and letter == "B" \
+                or v.fit_ is Fit.seq_len and letter in ("S", "T", "L"):
+            return f"{text} with --fit {v.fit_.value}: the search sets {letter}; drop the --dim"
+        if v.per_rank is not None and letter == "B":
+            return (f"{text} with {v.per_rank}: the plan divides B over the ranks from "
+                    f"--batch-size; give it as --batch-size (--dim sets the model's other "
+                    f"dimensions)")
+    return None
 SIZED = Needs(lambda v: v.sized, ONLY_SIZED,
               "sizes the activation lines, which need a length: add --seq-len L")
 CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, ONLY_SIZED,
@@ -160,6 +185,12 @@ def _units_chosen(v) -> bool:
     return par.zero == 3 or par.pp > 1 or v.checkpointing is not None
 
 
+def _experts_split(v) -> int:
+    from tfcli.parallel.layout import parse_parallel
+
+    return parse_parallel(v.parallel).ep if v.parallel is not None else 1
+
+
 def _tensor_ranks(v) -> int:
     from tfcli.parallel.layout import parse_parallel
 
@@ -194,6 +225,7 @@ def _rank_timeline(v) -> str | None:
 
 
 RULES = Rules(
+    SUBJECT_RULES,
     Rule(("depth", "expand"), TABLE_ONLY),
     Rule("mixed_precision", Needs(
         lambda v: v.mixed_precision is Mixed.none or v.dtype is DType.fp32,
@@ -280,11 +312,11 @@ RULES = Rules(
         lambda v: not v.inference, "not with --inference",
         "{option}: the per-rank plan sizes a training step; --inference sizes one device's "
         "weights, KV cache and working sets; drop {it} or --inference")),
-    Rule("fit_", SERVING_FIT, Needs(
-        lambda v: not (v.inference and v.fit_ is Fit.batch) or v.seq_len is not None
-        or v.sized_without_length,
-        "with --inference batch: only with --seq-len (or a sequence-free --model)",
-        "{option} {value} --inference needs --seq-len: the context whose batch is searched")),
+    Rule("fit_", FITS_INTO, Needs(
+        lambda v: v.fit_ is not Fit.batch or v.seq_len is not None or v.sized_without_length,
+        "batch: only with --seq-len (or a sequence-free --model)",
+        "{option} {value} needs --seq-len, the length whose batch is searched: add --seq-len "
+        "L")),
     # the search sets what it searches: a value given for it would be silently replaced
     Rule("seq_len", Needs(lambda v: v.fit_ is not Fit.seq_len, "not with --fit seq-len",
                           "{option} {value}: --fit seq-len searches the length; drop {it} (or "
@@ -299,7 +331,33 @@ RULES = Rules(
                                "only with --inference --timeline",
                                "sets the decode steps that --inference --timeline FILE draws: add "
                                "both, or drop it")),
+    # --dim sets a letter over every other option: one that the search or the plan sets
+    # would silently win over the search's or the plan's value
+    Rule("dim", Needs(lambda v: v.dim_set_elsewhere is None,
+                      "not for B with --fit batch or --parallel, nor a length with --fit "
+                      "seq-len", "{option} {v.dim_set_elsewhere}")),
+    Rule("timeline", Needs(lambda v: not v.inference or v.model_ref is None,
+                           "with --inference: not with --model",
+                           "{option} with --inference draws tfcli's own model "
+                           "(--preset/--config/--set) for now; for --model drop {option}")),
+    Rule("seq_len", FLOATING),
+    Rule(("batch_size", "dim"), Needs(
+        lambda v: not v.sized_without_length or _floating(v), "not with --dtype int8",
+        FLOATING.refusal)),
+    Rule("fit_", Needs(_floating, "not with --dtype int8",
+                       "{option} {value} with --dtype int8: the search replays steps, whose "
+                       "activations need a floating dtype (int8 is counted for weights only)")),
+    Rule(("parallel", "checkpointing", "micro_batches", "device_memory"), Needs(
+        lambda v: v.per_rank is None or _floating(v), "not with --dtype int8",
+        "{option} with --dtype int8: the per-rank plan sizes a training step, which needs a "
+        "floating dtype (int8 is counted for weights only)")),
+    Rule("param_count", Needs(
+        lambda v: v.parallel is None or _experts_split(v) == 1, "not with ep",
+        "{option} with --parallel ep={v.expert_ranks}: a stated size has no experts to split; "
+        "give the model (--model) instead")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
+             "expert_ranks": lambda v: _experts_split(v),
+             "dim_set_elsewhere": _dim_set_elsewhere,
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "tensor_ranks": _tensor_ranks,
              # context-parallel ranks step the same shards as data-parallel ones
@@ -475,11 +533,6 @@ def params(
             and cfg.positional not in ("none", "rope"):
         raise TfcliError(f"--seq-len {seq_len} exceeds max_seq_len={cfg.max_seq_len}; "
                          f"{max_seq_len_hint(seq_len)}")
-    if seq_len is not None and dtype is DType.int8 and not mixed:
-        asked = "--seq-len" if given("seq_len") else "--fit" if fit_ else \
-            "--batch-size" if given("batch_size") else "--dim"
-        raise TfcliError(f"{asked} with --dtype int8: activations need a floating dtype "
-                         f"(int8 is counted for weights only)")
     impl, impl_why = optimizer_impl.value, ""
     if impl == "auto":
         impl = mem.default_optimizer_impl(device.value)
@@ -496,7 +549,6 @@ def params(
     if seq_len is not None and given("batch_size"):
         refuse_unused_sizes(subject, {"--batch-size": batch_size}, dim)
     _refuse_lengths_twice(subject, seq_len, dim)
-    _refuse_dims_the_plan_sets(dim, v.per_rank, fit_.value if fit_ else None)
     if v.per_rank is not None:
         from tfcli.parallel.report import params_parallel  # issue 14: memory per rank
 
@@ -567,11 +619,6 @@ def params(
             if timeline is not None:
                 from tfcli.inspection.timeline import DECODE_STEPS, inference_timeline
 
-                if cfg is None:  # the cache is modelled from tfcli's configuration
-                    raise TfcliError("--inference --timeline draws tfcli's own model "
-                                     "(--preset/--config/--set) for now; for --model drop "
-                                     "--timeline")
-
                 steps = decode_steps or DECODE_STEPS
                 kv = (kv_dtype or dtype).value
                 written = _write_timeline(timeline_file, inference_timeline(
@@ -583,11 +630,6 @@ def params(
                     "method": f"fake-tensor replay of each forward on {device.value} kernels: "
                               f"nothing allocated; the KV cache modelled per layer as a "
                               f"DynamicCache grows (a rolling buffer with a sliding window)"})
-        elif dtype is DType.int8 and not mixed:  # an inference format: no step to replay
-            activations, how = mem.estimate_activations(subject, dims, dtype.value, mixed,
-                                                        kernel, freeze=tuple(freeze or ()),
-                                                        loop=loop.value, device=device.value)
-            how += f"; attention kernel: {assumed}, on {device.value}"
         else:
             # one replay of the step answers the activation lines and the step's own
             if timeline is not None:
@@ -761,26 +803,6 @@ def _refuse_lengths_twice(subject, seq_len: int | None, dims: list[str] | None) 
         if letter in ("S", "T", "L") and letter in subject.dims_used():
             raise TfcliError(f"--seq-len {seq_len} and --dim {text}: both set {letter}; give "
                              f"one")
-
-
-def _refuse_dims_the_plan_sets(dims: list[str] | None, per_rank: str | None,
-                               fit: str | None) -> None:
-    """--dim sets a letter over every other option: a --dim for a letter that --fit searches
-    or that the per-rank plan divides over ranks (B over dp) would silently win over the
-    search's or the plan's value. (A length is --seq-len's in params: the table refuses it
-    as --dim.)"""
-    from tfcli.errors import TfcliError
-    from tfcli.subjects.base import parse_dim
-
-    for text in dims or []:
-        letter = parse_dim(text)[0]
-        if fit == "batch" and letter == "B" or fit == "seq-len" and letter in ("S", "T", "L"):
-            raise TfcliError(f"--dim {text} with --fit {fit}: the search sets {letter}; drop "
-                             f"the --dim")
-        if per_rank is not None and letter == "B":
-            raise TfcliError(f"--dim {text} with {per_rank}: the plan divides B over the ranks "
-                             f"from --batch-size; give it as --batch-size (--dim sets the "
-                             f"model's other dimensions)")
 
 
 def _reused_calls(subject, dims: dict[str, int]) -> list[dict]:

@@ -76,11 +76,22 @@ class Rule:
 
 class Rules:
     """A command's table: rules in the order they are checked, and the derived values their
-    conditions read (``derived``: name -> function of the values)."""
+    conditions read (``derived``: name -> function of the values). A table may hold another
+    (the options every command shares, tfcli.cli.options.SUBJECT_RULES): its rules are
+    checked where it stands, and its derived values are added."""
 
-    def __init__(self, *rules: Rule, derived: dict[str, Callable[[Values], Any]] | None = None):
-        self.rules = rules
-        self.derived = derived or {}
+    def __init__(self, *rules: "Rule | Rules",
+                 derived: dict[str, Callable[[Values], Any]] | None = None):
+        flat: list[Rule] = []
+        merged: dict[str, Callable[[Values], Any]] = {}
+        for item in rules:
+            if isinstance(item, Rules):
+                flat.extend(item.rules)
+                merged.update(item.derived)
+            else:
+                flat.append(item)
+        self.rules = tuple(flat)
+        self.derived = {**merged, **(derived or {})}
 
     def apply(self, values: dict[str, Any], **derived: Callable[[Values], Any]) -> Values:
         """Refuse the first typed option whose condition fails; the values (with the derived
@@ -130,7 +141,7 @@ def help_with_conditions(params: list, rules: Rules | None) -> list:
     if rules is None:
         return params
     for param in params:
-        shown = rules.shown(param.name)
+        shown = list(dict.fromkeys(rules.shown(param.name)))  # each condition once
         if shown and not getattr(param, "_conditions_shown", False):
             # parentheses, not brackets: Rich reads [text] in help as markup and drops it
             param.help = f"{param.help or ''} ({'; '.join(shown)})".strip()

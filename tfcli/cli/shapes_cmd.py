@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tfcli.cli.options import (AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
+from tfcli.cli.options import (SUBJECT_RULES, AttnImplementation, ConfigOpt, DimOpt, AttnImplOpt, HfClassOpt, InputOpt, JsonOpt, MaxMemoryOpt,
                                ModelArgOpt, ModelOpt, PresetOpt, SetOpt, given, int_list,
                                max_seq_len_hint, refuse_unused_sizes,
                                resolve_subject, sizes)
@@ -38,6 +38,7 @@ JSON_BYTES_PER_CALL = 8 * 1024  # a module call in --json, at the peak of making
 
 
 RULES = Rules(
+    SUBJECT_RULES,
     Rule(("depth", "expand"), Needs(
         lambda v: not v.json_out, "not with --json",
         "{option}: shape the table; --json holds every module whole (drop {it}, or drop "
