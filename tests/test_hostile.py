@@ -1251,7 +1251,7 @@ def test_an_empty_path_is_refused_as_empty(cli, tmp_path, monkeypatch, args):
     in one line naming the option. (The wiring is TfcliCommand.get_params in cli/options.py;
     installed here too, so the refusal is tested whether or not it is wired yet.)"""
     from tfcli.cli import options
-    from tfcli.cli.outputs import refuse_empty_paths
+    from tfcli.cli.options import refuse_empty_paths
 
     get_params = options.TfcliCommand.get_params
     monkeypatch.setattr(options.TfcliCommand, "get_params",

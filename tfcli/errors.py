@@ -8,11 +8,14 @@ The CLI prints ``str(error)`` as a single line on stderr and exits with code 2 (
 class TfcliError(Exception):
     """A user mistake: a bad configuration value, option or input. The message says what is
     wrong and what is allowed. ``exit_code`` 1 instead of 2 marks a run that failed after
-    valid input (an output that could not be written)."""
+    valid input (an output that could not be written). ``kind`` begins the one line after
+    "tfcli: ": "error: ", or "" where the line says what the model itself did (its forward
+    failed)."""
 
-    def __init__(self, message: str, exit_code: int = 2) -> None:
+    def __init__(self, message: str, exit_code: int = 2, kind: str = "error: ") -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.kind = kind
 
 
 class ConfigError(TfcliError, ValueError):

@@ -15,6 +15,7 @@ from tfcli.cli.options import (SUBJECT_RULES, AttnImplementation, ConfigOpt, Dim
 from tfcli.cli.outputs import AtomicFile, Output, check_outputs
 from tfcli.cli.process import print_json, stdout
 from tfcli.cli.rules import Needs, Rule, Rules, own_model
+from tfcli.cli.signals import INTERRUPTED
 from tfcli.errors import TfcliError
 
 ALL_KERNELS = ["naive", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
@@ -331,8 +332,8 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
         raise TfcliError(f"{failed}; the sweep stopped there (the table holds what was measured)"
                          f"{'; existing outputs are left as they were' if csv_path else ''}",
                          exit_code=1)
-    if sweep.interrupted:
-        raise typer.Exit(130)
+    if sweep.interrupted:  # the sweep stopped at Ctrl-C and printed what it measured
+        raise typer.Exit(INTERRUPTED)
     failed_cells = [r for r in records if r.status.startswith(("error", "mismatch"))]
     if failed_cells and not any(r.status.startswith("ok") for r in records):
         raise TfcliError(f"no cell was measured: {len(failed_cells)} of {len(records)} failed "

@@ -1,6 +1,8 @@
 """The options every command shares, and how their values are read: which model (--preset,
---config, --set, --model …), the sizes of its dimensions (--batch-size, --dim, …), integer lists,
-and the command class that applies what is declared about each option (``tfcli.cli.rules``)."""
+--config, --set, --model …) and the rules of which goes with which, the sizes of its
+dimensions (--batch-size, --dim, …), integer lists, path options that refuse the empty
+string, and the command class that applies what is declared about each option
+(``tfcli.cli.rules``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
-from tfcli.cli.outputs import refuse_empty_paths
 from tfcli.cli.rules import Needs, Rule, Rules, any_model
 from tfcli.errors import TfcliError
 
@@ -230,6 +231,28 @@ def int_list(text: str, option: str, example: str, minimum: int = 0) -> list[int
         raise TfcliError(f"{option} {text!r}: expected {kind}, e.g. {option} {example}")
     return values
 
+
+
+def refuse_empty_paths(params: list) -> list:
+    """typer reads an empty path option (``--csv ""``, ``--profile ""``, ``--config ""``) as
+    ``Path("")``, which is ``Path(".")``: the current directory, so the emptiness is lost
+    before any check sees it, and ``--profile ""`` would write into the current directory.
+    Each option annotated as a path refuses the empty string before typer converts it.
+    For a command's ``get_params``."""
+    for param in params:
+        if getattr(getattr(param, "type_descriptor", None), "annotation", None) is not Path \
+                or getattr(param, "_refuses_empty", False):
+            continue
+
+        def process(ctx, value, convert=param.process_value, option=param.opts[0]):
+            if isinstance(value, str) and value == "":
+                raise TfcliError(f"{option} '': an empty path; give a "
+                                 f"{'directory' if option == '--profile' else 'file'} name")
+            return convert(ctx, value)
+
+        param.process_value = process
+        param._refuses_empty = True
+    return params
 
 
 def flags_take_no_value(params: list) -> list:

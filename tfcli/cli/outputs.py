@@ -26,28 +26,6 @@ class Output:
     directory: bool = False  # --profile: a directory of files
 
 
-def refuse_empty_paths(params: list) -> list:
-    """typer reads an empty path option (``--csv ""``, ``--profile ""``, ``--config ""``) as
-    ``Path("")``, which is ``Path(".")``: the current directory, so the emptiness is lost
-    before any check sees it, and ``--profile ""`` would write into the current directory.
-    Each option annotated as a path refuses the empty string before typer converts it.
-    For a command's ``get_params``."""
-    for param in params:
-        if getattr(getattr(param, "type_descriptor", None), "annotation", None) is not Path \
-                or getattr(param, "_refuses_empty", False):
-            continue
-
-        def process(ctx, value, convert=param.process_value, option=param.opts[0]):
-            if isinstance(value, str) and value == "":
-                raise TfcliError(f"{option} '': an empty path; give a "
-                                 f"{'directory' if option == '--profile' else 'file'} name")
-            return convert(ctx, value)
-
-        param.process_value = process
-        param._refuses_empty = True
-    return params
-
-
 def _writable_dir(path: Path, where: str) -> None:
     if not path.exists():
         raise TfcliError(f"{where}: no such directory {str(path)!r}")

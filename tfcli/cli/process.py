@@ -176,7 +176,7 @@ class TfcliGroup(TyperGroup):
             code = rv if isinstance(rv, int) else 0
             sys.stdout.flush()  # a full disk shows here, not in the interpreter's exit
         except TfcliError as err:
-            code = fail(str(err), getattr(err, "exit_code", 2))
+            code = fail(str(err), err.exit_code, err.kind)
         except NoArgsIsHelpError as err:
             if err.format_message().strip():  # Rich help is printed while the error is built
                 typer.echo(err.format_message())

@@ -186,8 +186,8 @@ def _trace_and_show(subject, run_device, device_name, dims, src_lens, tgt_lens, 
         else:
             stdout().print(build_tree(failure.events, names, depth, True, False,
                                       "partial trace (the forward pass failed)"))
-        typer.echo(f"tfcli: {failure}{hint}", err=True)  # the exit's one line, JSON or not
-        raise typer.Exit(1) from None
+        # the exit's one line, JSON or not
+        raise TfcliError(f"{failure}{hint}", exit_code=1, kind="") from None
     names = {**used, **(subject.model_dims(model) or infer_dims(model, events))}
     experts = moe.find_experts(model, subject.experts_per_token())
     if experts:
