@@ -749,7 +749,7 @@ def test_device_names_are_read_as_the_boards_are_and_a_reserve_is_kept_back(cli)
     """Issue 21: an H100 80GB has 80 GiB (not 80·10⁹ B); 2 GiB of it are kept back by default
     for what a real GPU also holds, --reserve changes that, and the fit search and the headroom
     both use what is left."""
-    from tfcli.parallel.fit import parse_device_memory
+    from tfcli.inspection.fit import parse_device_memory
 
     assert parse_device_memory("H100")[0] == parse_device_memory("80GiB")[0] == 80 * 2**30
     assert parse_device_memory("80GB")[0] == 80 * 10**9  # a size as written stays SI...
@@ -1709,13 +1709,13 @@ def test_a_search_along_a_size_the_inputs_lack_is_refused(cli, tmp_path):
     (lambda b: 60_397_978 if b <= 9 else 10**9, 9, 16),  # a cliff: bisection finds it
 ])
 def test_the_batch_search_replays_few_sizes_and_confirms_its_answer(need, answer, most):
-    """tfcli.parallel.fit.fit, the training plans' --fit search: the largest batch whose need
+    """tfcli.inspection.fit.fit, the training plans' --fit search: the largest batch whose need
     is within the capacity, the answer and the answer + 1 among the sizes evaluated, in a
     handful of evaluations where the need is linear or piecewise linear in the batch (as a
     step's peak is: the largest of moments that each grow linearly). The search it replaced
     galloped from its first prediction: 21 replays for the ViT's plan (4, 33 and 9 for the
     others)."""
-    from tfcli.parallel.fit import fit
+    from tfcli.inspection.fit import fit
 
     capacity, seen = 60_397_978, {}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_inference import CONFIGS, _storage_bytes_held, cache_kw, returned_cache
-from tfcli.parallel.fit import fit_confirmed
+from tfcli.inspection.fit import fit_confirmed
 from tfcli.render import human_bytes
 
 transformers = pytest.importorskip("transformers")

@@ -585,7 +585,7 @@ def params(
     served = None
     if inference and device_memory is not None:  # serving: does it fit, what fits
         from tfcli.inspection.serving import serve
-        from tfcli.parallel.fit import device_budget
+        from tfcli.inspection.fit import device_budget
 
         static = mem.training_memory(report.total_params, 0, report.buffer_numel, dtype.value,
                                      optimizer.value, None, None)[:2]

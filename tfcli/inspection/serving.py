@@ -15,7 +15,7 @@ plain forward of L (every position's logits: an upper bound of a server's prefil
 the last position's only).
 
 The search replays the model at each size it tries, so its answer is measured, not
-extrapolated: :func:`tfcli.parallel.fit.fit_confirmed` predicts the boundary from the line
+extrapolated: :func:`tfcli.inspection.fit.fit_confirmed` predicts the boundary from the line
 through two replays (the need is linear in the batch, and piecewise linear in the length where
 a sliding window stops a layer's cache from growing), then replays the answer and the answer
 + 1 on either side of it.
@@ -28,7 +28,7 @@ from typing import Callable
 
 from tfcli.errors import TfcliError
 from tfcli.inspection.memory import MemoryLine, inference_lines
-from tfcli.parallel.fit import Budget, fit_confirmed
+from tfcli.inspection.fit import Budget, fit_confirmed
 
 BATCH_BOUND = 1 << 16  # the largest batch searched
 LENGTH_BOUND = 1 << 20  # the largest length searched for a model that states no maximum

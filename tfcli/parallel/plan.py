@@ -21,7 +21,7 @@ Conventions (printed beside every figure):
   bits) as the cross-check. Pipeline stage i keeps min(P - i, m) micro-batches in flight (1F1B).
 
 The layout is :mod:`tfcli.parallel.layout`, the activations :mod:`tfcli.parallel.activations`,
-"does it fit?" :mod:`tfcli.parallel.fit`. Nothing here imports torch except the replay and
+"does it fit?" :mod:`tfcli.inspection.fit`. Nothing here imports torch except the replay and
 :func:`largest_module`.
 """
 

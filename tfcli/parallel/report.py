@@ -4,7 +4,7 @@ parses options and calls :func:`per_rank` and :func:`render`."""
 
 from __future__ import annotations
 
-from tfcli.parallel.fit import SEARCHED, device_budget, fit, fit_length
+from tfcli.inspection.fit import SEARCHED, device_budget, fit, fit_length
 from tfcli.parallel.plan import Parallel, parse_parallel, plan
 from tfcli.errors import TfcliError
 from tfcli.model.config import Config
@@ -20,7 +20,7 @@ def per_rank(cfg: Config, parallel: str | None, batch: int, seq_len: int | None,
              device: str = "cpu", optimizer: str | None = None,
              optimizer_impl: str | None = None) -> dict:
     """The plan at (batch, seq_len) as a dict; with ``device_memory`` its headroom below the
-    capacity less ``reserve`` (tfcli.parallel.fit.device_budget); with ``fit_what`` the
+    capacity less ``reserve`` (tfcli.inspection.fit.device_budget); with ``fit_what`` the
     largest batch or length that fits there and the plan there."""
     par = parse_parallel(parallel) if parallel is not None else Parallel()
     check_request(par, fit_what, device_memory, seq_len, micro_batches, dtype, mixed)

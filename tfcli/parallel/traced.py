@@ -684,7 +684,7 @@ def per_rank(subject, parallel: str | None, batch: int, seq_len: int | None,
     a dict, its headroom on ``device_memory``, and with ``fit_what`` the largest batch or
     length that fits. ``sizes_at(b, s)`` gives every letter's size; ``tp_plan``: --tp-plan's
     text (tfcli.parallel.tensor)."""
-    from tfcli.parallel.fit import SEARCHED, fit, fit_length, parse_device_memory
+    from tfcli.inspection.fit import SEARCHED, fit, fit_length, parse_device_memory
     from tfcli.parallel.layout import parse_parallel
     from tfcli.parallel.report import FIT, check_request, fit_replays, steps_words
 
