@@ -114,6 +114,29 @@ def test_readme_example_runs(readme_runs, line):
     assert code == 0, stderr
 
 
+def test_the_layout_section_names_the_package_as_it_is():
+    """The README's account of the package ("How the package is laid out") against the tree:
+    every top-level module and every folder of tfcli/ has a row, and every file the section
+    names (a row's, or a path in the paragraph on imports) exists."""
+    text = README.read_text()
+    section = text[text.index("### How the package is laid out"):text.index("### Tests")]
+    package = README.parent / "tfcli"
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `tfcli/")]
+    named_first = {name for first, _ in rows for name in re.findall(r"`(tfcli/[^`]*)`", first)}
+    folders = {f"tfcli/{d.name}/" for d in package.iterdir()
+               if d.is_dir() and (d / "__init__.py").exists()}
+    modules = {f"tfcli/{f.name}" for f in package.glob("*.py")}
+    assert folders | modules == named_first, (sorted((folders | modules) - named_first),
+                                              sorted(named_first - (folders | modules)))
+    for first, second in rows:
+        for folder in re.findall(r"`(tfcli/[^`]*/)`", first):
+            for name in re.findall(r"`([\w*]+\.py)`", second):  # a file of that folder
+                assert list((README.parent / folder).glob(name)), (folder, name)
+    for path in re.findall(r"`((?:cli|render|bench|parallel|inspection|subjects|model)/[\w.]+)`",
+                           section):
+        assert (package / path).exists(), path
+
+
 def test_readme_library_example_runs():
     block = re.search(r"```python\n(.*?)```", README.read_text(), flags=re.S).group(1)
     namespace: dict = {}
