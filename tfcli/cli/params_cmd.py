@@ -326,7 +326,11 @@ RULES = Rules(
                              "--fit)")),
     Rule("timeline", STEP,
          Needs(lambda v: v.rank_timeline is None, "with --parallel: dp=N,zero=3 only",
-               "with {v.per_rank}: {v.rank_timeline}")),
+               "with {v.per_rank}: {v.rank_timeline}"),
+         Needs(lambda v: not v.inference or v.model_ref is None,
+               "with --inference: not with --model",
+               "{option} with --inference draws tfcli's own model (--preset/--config/--set) "
+               "for now; for --model drop {option}")),
     Rule("decode_steps", Needs(lambda v: v.inference and v.timeline is not None,
                                "only with --inference --timeline",
                                "sets the decode steps that --inference --timeline FILE draws: add "
@@ -336,10 +340,6 @@ RULES = Rules(
     Rule("dim", Needs(lambda v: v.dim_set_elsewhere is None,
                       "not for B with --fit batch or --parallel, nor a length with --fit "
                       "seq-len", "{option} {v.dim_set_elsewhere}")),
-    Rule("timeline", Needs(lambda v: not v.inference or v.model_ref is None,
-                           "with --inference: not with --model",
-                           "{option} with --inference draws tfcli's own model "
-                           "(--preset/--config/--set) for now; for --model drop {option}")),
     Rule("seq_len", FLOATING),
     Rule(("batch_size", "dim"), Needs(
         lambda v: not v.sized_without_length or _floating(v), "not with --dtype int8",
@@ -352,11 +352,11 @@ RULES = Rules(
         "{option} with --dtype int8: the per-rank plan sizes a training step, which needs a "
         "floating dtype (int8 is counted for weights only)")),
     Rule("param_count", Needs(
-        lambda v: v.parallel is None or _experts_split(v) == 1, "not with ep",
+        lambda v: v.expert_ranks == 1, "not with ep",
         "{option} with --parallel ep={v.expert_ranks}: a stated size has no experts to split; "
         "give the model (--model) instead")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
-             "expert_ranks": lambda v: _experts_split(v),
+             "expert_ranks": _experts_split,
              "dim_set_elsewhere": _dim_set_elsewhere,
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "tensor_ranks": _tensor_ranks,
