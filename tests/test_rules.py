@@ -95,6 +95,15 @@ PLANTED = "open(__file__ + '.imported', 'w').close()\n\ndef build():\n    raise 
     (["shapes", "--model", "{m}", "--preset", "tiny"], "--model with --preset: those configure"),
     (["config", "--fields", "--set", "d_model=8"],
      "--fields lists the keys themselves; it takes no --set"),
+    # found by a second audit: refused once torch had loaded, or ignored, or "with None"
+    (["params", "--param-count", "7e9", "--parallel", "dp=8,zero=2", "--precision",
+      "fsdp-mixed"], "--precision fsdp-mixed: FSDP's MixedPrecisionPolicy gathers sharded "
+                     "parameters; add zero=3 to --parallel (now zero=2)"),
+    (["params", "--model", "{m}", "--wrap", "Block", "--device-memory", "80GiB", "--seq-len",
+      "8"], "--wrap Block with --device-memory: it chooses FSDP's units"),
+    (["masks", "--model", "{m}", "--input", "src=int64[B,S]", "--lengths", "src=5,3",
+      "--mask", "src=additive"], "--mask src=additive: --lengths names src a sequence"),
+    (["config", "--fields", "--markdown", "--json"], "--markdown and --json: give one"),
 ])
 def test_a_combination_is_refused_by_the_table_before_any_model_is_imported(
         cli, tmp_path, monkeypatch, args, refusal):
@@ -111,6 +120,22 @@ def test_a_combination_is_refused_by_the_table_before_any_model_is_imported(
         result.stderr
     assert result.stderr.count("\n") == 1
     assert not (tmp_path / "planted_model.py.imported").exists()
+
+
+def test_the_16_bit_dtype_of_a_precision_policy_needs_no_length(cli):
+    """--mixed-precision was refused without --seq-len ("changes the activations"), so the
+    16-bit dtype of --precision zero-paper/megatron could not be chosen for model states."""
+    import json
+
+    for dtype in ("fp16", "bf16"):
+        data = json.loads(cli("params", "--param-count", "7e9", "--precision", "zero-paper",
+                              "--mixed-precision", dtype, "--json").stdout)
+        assert data["conditions"]["mixed_precision"] == dtype
+        assert data["conditions"]["state_bytes"].startswith(f"zero-paper: Rajbhandari et al. "
+                                                            f"2020: {dtype} weights")
+    refused = cli("params", "-p", "tiny", "--mixed-precision", "bf16")  # autocast: activations
+    assert refused.exit_code == 2 and "--mixed-precision changes the activations" in \
+        refused.stderr
 
 
 def test_help_states_the_conditions_once_however_often_it_is_shown(cli):

@@ -21,7 +21,9 @@ RULES = Rules(
     Rule(("preset", "config", "set_"), Needs(
         lambda v: not v.fields, "not with --fields",
         "--fields lists the keys themselves; it takes no {option}")),
-    Rule("markdown", Needs(lambda v: v.fields, "only with --fields", "goes with --fields")),
+    Rule("markdown", Needs(lambda v: v.fields, "only with --fields", "goes with --fields"),
+         Needs(lambda v: not v.json_out, "not with --json",
+               "and --json: give one (--fields --json lists the keys as JSON)")),
 )
 
 

@@ -41,6 +41,11 @@ def _parse_ids(text: str, option: str) -> list[list[int]]:
     return rows
 
 
+def _names(texts: list[str] | None) -> set[str]:
+    """The input names of NAME=... options (--mask, --lengths)."""
+    return {text.partition("=")[0].strip() for text in texts or []}
+
+
 RULES = Rules(
     SUBJECT_RULES,
     Rule("batch_index", Needs(
@@ -75,10 +80,17 @@ RULES = Rules(
         "marks padding in --src-ids/--tgt-ids; give ids, or use --src-lens/--tgt-lens"),
          Needs(lambda v: v.model_ref is None or v.lengths or v.causal,
                "with --model: only with --lengths or --causal",
-               "pads the sequences --lengths describes; add --lengths NAME=N,N")),
+               "pads the sequences --lengths describes (and keeps the tokens --causal's check "
+               "changes off it); add --lengths NAME=N,N or --causal NAME")),
+    Rule("mask", Needs(lambda v: not _names(v.mask) & _names(v.lengths),
+                       "not for an input --lengths names",
+                       "{option} {value}: --lengths names {v.mask_and_lengths} a sequence, not "
+                       "a mask argument; give it to one of them")),
     Rule("max_memory", Needs(
         lambda v: v.check or v.model_ref is not None, "only with --check or --model",
         "bounds masks --check; drawing the grids costs the same at any length")),
+    derived={"mask_and_lengths": lambda v: ", ".join(sorted(_names(v.mask)
+                                                             & _names(v.lengths)))},
 )
 
 

@@ -108,13 +108,14 @@ def _per_rank(v) -> str | None:
 JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len)
              or v.sized_without_length,
-             "only with --seq-len, or a sequence-free --model's --batch-size",
+             "only with --seq-len (with --inference: or --fit seq-len), or a sequence-free "
+             "--model's --batch-size",
              "applies to the memory of a step: add --seq-len L (and --batch-size B; a --model "
              "whose inputs have no sequence: --batch-size B alone; one whose factory returns "
              "example inputs, which keep their sizes: --seq-len, which then sizes nothing)")
 # what a step's replay follows; --fit seq-len replays steps too, at the lengths it tries
 # (a --model whose inputs have no sequence, a ViT's, is sized by --batch-size and --dim)
-ONLY_SIZED = "only with --seq-len or --fit seq-len, or a sequence-free --model's --batch-size"
+ONLY_SIZED = "only with --seq-len or --fit seq-len, or a --model whose inputs have no sequence"
 STEP_OR_SEARCH = Needs(lambda v: v.sized, ONLY_SIZED,
                        "applies to the memory of a step: add --seq-len L (and --batch-size B), "
                        "or --fit seq-len (a --model whose inputs have no sequence: --batch-size "
@@ -157,7 +158,8 @@ CHANGES_ACTIVATIONS = Needs(lambda v: v.sized, ONLY_SIZED,
 TABLE_ONLY = Needs(lambda v: not v.json_out, "not with --json",
                    "{option}: shape the table; --json holds every module whole (drop {it}, or "
                    "drop --json)")
-ONE_DEVICE = Needs(lambda v: v.per_rank is None, "not with --parallel",
+PER_RANK_SHOWN = "not with a per-rank plan: --parallel, --device-memory, --fit, ..."
+ONE_DEVICE = Needs(lambda v: v.per_rank is None, PER_RANK_SHOWN,
                    "does nothing with {v.per_rank}: the per-rank plan is a table of memory "
                    "lines, not of the model's modules")
 TRAINING = Needs(lambda v: not v.inference, "not with --inference",
@@ -189,6 +191,12 @@ def _experts_split(v) -> int:
     from tfcli.parallel.layout import parse_parallel
 
     return parse_parallel(v.parallel).ep if v.parallel is not None else 1
+
+
+def _zero_stage(v) -> int:
+    from tfcli.parallel.layout import parse_parallel
+
+    return parse_parallel(v.parallel).zero if v.parallel is not None else 0
 
 
 def _tensor_ranks(v) -> int:
@@ -245,7 +253,7 @@ RULES = Rules(
          Needs(lambda v: v.per_rank is not None, "only with --parallel",
                "chooses the FSDP units of the per-rank plan: add --parallel dp=N,zero=3"),
          Needs(_units_chosen, "with zero=3, pp=P or --checkpointing",
-               "{option} {value} with {v.parallel}: it chooses FSDP's units (zero=3), the "
+               "{option} {value} with {v.plan_asked}: it chooses FSDP's units (zero=3), the "
                "pipeline's blocks (pp) and the checkpointed units (--checkpointing); none of "
                "them is in this plan: drop it")),
     Rule("device", STEP_OR_SEARCH),
@@ -254,7 +262,7 @@ RULES = Rules(
     Rule("inference", STEP),
     Rule("kv_dtype", Needs(lambda v: v.inference, "only with --inference",
                            "applies to --inference")),
-    Rule("freeze", Needs(lambda v: v.per_rank is None, "not with --parallel",
+    Rule("freeze", Needs(lambda v: v.per_rank is None, PER_RANK_SHOWN,
                          "is not modelled with {v.per_rank}: the per-rank plan gives every "
                          "parameter gradients and optimizer state; drop --freeze, or drop "
                          "{v.per_rank} to size one device with frozen parameters")),
@@ -262,7 +270,7 @@ RULES = Rules(
     Rule("max_memory", ONE_DEVICE,
          Needs(lambda v: v.build_on is BuildDevice.cpu, "only with --build-on cpu",
                "bounds --build-on cpu; meta allocates nothing")),
-    Rule("keep_grads", Needs(lambda v: v.per_rank is None, "not with --parallel",
+    Rule("keep_grads", Needs(lambda v: v.per_rank is None, PER_RANK_SHOWN,
                              "{option} is not modelled with {v.per_rank}: the per-rank "
                              "plan's moments follow zero_grad(set_to_none=True), PyTorch's "
                              "default, gradients made in backward; drop {it}")),
@@ -280,7 +288,11 @@ RULES = Rules(
     Rule("expand", ONE_DEVICE),
     Rule("batch_size", SIZED),
     Rule("dim", SIZED),
-    Rule("mixed_precision", CHANGES_ACTIVATIONS),
+    # under autocast the 16-bit dtype changes the activations alone; the other policies keep
+    # weights, gradients or states in it too (a plan without activations, --param-count)
+    Rule("mixed_precision", Needs(
+        lambda v: v.sized or v.precision not in (None, Precision.autocast),
+        ONLY_SIZED + ", or a --precision but autocast", CHANGES_ACTIVATIONS.refusal)),
     Rule("checkpointing", CHANGES_ACTIVATIONS),
     Rule("micro_batches", CHANGES_ACTIVATIONS),
     Rule("optimizer", TRAINING),
@@ -296,7 +308,7 @@ RULES = Rules(
     Rule("mixed_precision", TRAINING),
     Rule("precision", TRAINING, Needs(
         lambda v: v.precision in (None, Precision.autocast) or v.dtype is DType.fp32,
-        "only with --dtype fp32 (but autocast)",
+        "but autocast: only with --dtype fp32",
         "{option} {value} keeps fp32 master weights and takes its 16-bit dtype from "
         "--mixed-precision (default bf16); --dtype {v.dtype.value} is autocast's: drop it")),
     Rule("param_count", Needs(
@@ -304,7 +316,8 @@ RULES = Rules(
         "{option} states the model's size instead of a model: drop --preset/--config/--set/"
         "--model, or drop {option}"), Needs(
         lambda v: v.seq_len is None and v.fit_ is None and v.checkpointing is None
-        and v.micro_batches is None and v.model_split is None, "model states only",
+        and v.micro_batches is None and v.model_split is None,
+        "not with --seq-len, --fit, --checkpointing, --micro-batches or tp/pp/cp",
         "{option} sizes model states only (no layout, no activations): drop --seq-len, --fit, "
         "--checkpointing, --micro-batches and tp/pp/cp, or give a model instead")),
     Rule("keep_grads", TRAINING),
@@ -338,8 +351,8 @@ RULES = Rules(
     # --dim sets a letter over every other option: one that the search or the plan sets
     # would silently win over the search's or the plan's value
     Rule("dim", Needs(lambda v: v.dim_set_elsewhere is None,
-                      "not for B with --fit batch or --parallel, nor a length with --fit "
-                      "seq-len", "{option} {v.dim_set_elsewhere}")),
+                      "not for B with --fit batch or a per-rank plan",
+                      "{option} {v.dim_set_elsewhere}")),
     Rule("seq_len", FLOATING),
     Rule(("batch_size", "dim"), Needs(
         lambda v: not v.sized_without_length or _floating(v), "not with --dtype int8",
@@ -351,12 +364,19 @@ RULES = Rules(
         lambda v: v.per_rank is None or _floating(v), "not with --dtype int8",
         "{option} with --dtype int8: the per-rank plan sizes a training step, which needs a "
         "floating dtype (int8 is counted for weights only)")),
+    Rule("precision", Needs(
+        lambda v: v.precision is not Precision.fsdp_mixed or v.zero_stage == 3,
+        "fsdp-mixed: only with zero=3",
+        "{option} fsdp-mixed: FSDP's MixedPrecisionPolicy gathers sharded parameters; add "
+        "zero=3 to --parallel (now zero={v.zero_stage}), or use --precision autocast")),
     Rule("param_count", Needs(
         lambda v: v.expert_ranks == 1, "not with ep",
         "{option} with --parallel ep={v.expert_ranks}: a stated size has no experts to split; "
         "give the model (--model) instead")),
     derived={"per_rank": _per_rank, "model_split": _model_split,
              "expert_ranks": _experts_split,
+             "zero_stage": _zero_stage,
+             "plan_asked": lambda v: v.parallel or v.per_rank,  # dp=2, or the option
              "dim_set_elsewhere": _dim_set_elsewhere,
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
              "tensor_ranks": _tensor_ranks,
