@@ -255,16 +255,11 @@ def _run(spec, subject, csv_path: Path | None, plot: Path | None, profile: Path 
     """Run the sweep with progress on stderr, CSV rows as cells finish (into a temporary file
     renamed into place at the end), then the outputs. An interrupted run leaves an existing
     output as it was; a failed write ends the sweep, prints the table and exits 1."""
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
     from tfcli.bench.sweep import Sweep, environment, fits
     from tfcli.render.bench import record_line, render
+    from tfcli.render.progress import cells_bar
 
-    err = Console(stderr=True, markup=False)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
+    progress = cells_bar()
     csv_out = AtomicFile(csv_path, newline="") if csv_path is not None else None
     writer = None
     after_cell = _profiler(profile) if profile is not None else None

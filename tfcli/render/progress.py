@@ -22,3 +22,15 @@ def working(text: str) -> Iterator[Callable[[str], None]]:
                   console=console, transient=True) as progress:
         task = progress.add_task(text, total=None)
         yield lambda new: progress.update(task, description=new)
+
+
+def cells_bar():
+    """bench's bar on stderr: what is being measured, cells done of all, time so far and left
+    (transient: the record lines printed above it stay)."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True, markup=False), transient=True)
