@@ -563,7 +563,8 @@ def params(
         kernel = "flash"  # flash or efficient: both keep only the log-sum-exp
     if kernel in ("flash", "efficient") and device is TrainDevice.cpu and cfg is not None \
             and cfg.dropout > 0:
-        raise TfcliError(f"--attention-kernel {kernel} on --device cpu with dropout="
+        where = "--device cpu" if given("device") else "the CPU (--device cpu, the default)"
+        raise TfcliError(f"--attention-kernel {kernel} on {where} with dropout="
                          f"{cfg.dropout}: the CPU flash kernel takes no dropout (SDPA falls "
                          f"back to math); size a GPU run with --device cuda")
     if seq_len is not None and given("batch_size"):
