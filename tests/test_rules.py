@@ -102,7 +102,7 @@ PLANTED = "open(__file__ + '.imported', 'w').close()\n\ndef build():\n    raise 
     (["params", "--model", "{m}", "--wrap", "Block", "--device-memory", "80GiB", "--seq-len",
       "8"], "--wrap Block with --device-memory: it chooses FSDP's units"),
     (["masks", "--model", "{m}", "--input", "src=int64[B,S]", "--lengths", "src=5,3",
-      "--mask", "src=additive"], "--mask src=additive: --lengths names src a sequence"),
+      "--mask", "src=additive"], "--mask src=additive: --lengths names src as a sequence"),
     (["config", "--fields", "--markdown", "--json"], "--markdown and --json: give one"),
 ])
 def test_a_combination_is_refused_by_the_table_before_any_model_is_imported(

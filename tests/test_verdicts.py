@@ -470,7 +470,7 @@ def test_what_the_sweep_found(cli, switches, args, verdict, expected):
       "--pad-id", "0"], 1, "RuntimeError: the model's own bug"),  # probing: its own failure
     (["--lengths", "ids=7,4", "--pad-id", "99"], 2, "--pad-id 99: token ids of ids are 0..29"),
     (["--mask", "ids=keep-01", "--lengths", "ids=7,4", "--pad-id", "0"], 2,
-     "ids is a sequence (--lengths names it), not a mask argument"),
+     "--lengths names ids as a sequence, not a mask argument"),
     (["--lengths", "ids=7,4", "--lengths", "ids=3,3", "--pad-id", "0"], 2, "given twice"),
 ])
 def test_what_the_sweep_found_refused_or_failed(cli, switches, args, code, words):

@@ -84,7 +84,7 @@ RULES = Rules(
                "changes off it); add --lengths NAME=N,N or --causal NAME")),
     Rule("mask", Needs(lambda v: not _names(v.mask) & _names(v.lengths),
                        "not for an input --lengths names",
-                       "{option} {value}: --lengths names {v.mask_and_lengths} a sequence, not "
+                       "{option} {value}: --lengths names {v.mask_and_lengths} as a sequence, not "
                        "a mask argument; give it to one of them")),
     Rule("max_memory", Needs(
         lambda v: v.check or v.model_ref is not None, "only with --check or --model",
