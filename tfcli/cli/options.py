@@ -86,9 +86,9 @@ def _hf(v) -> bool:
 
 _OWN_TAKES = "applies to --model; tfcli's own model takes --preset/--config/--set"
 
-# Which model the options name, in every command's table (first): --model or tfcli's own
-# configuration, and what each kind of --model takes. (tfcli.subjects.resolve_subject checks
-# the same of a library call, where nothing is typed.)
+# Which model the options name (--model, or tfcli's own configuration) and what each kind of
+# --model takes: first in the table of every command that takes a model.
+# (tfcli.subjects.resolve_subject checks the same of a library call, where nothing is typed.)
 SUBJECT_RULES = Rules(
     Rule(("preset", "config", "set_"), Needs(
         lambda v: v.model_ref is None, "not with --model",
