@@ -242,7 +242,7 @@ def test_table_through_the_cli(cli):
     (["--tgt-len", "8"], "--tgt-len applies to --what model"),
     (["--min-time", "1e308"], "Invalid value for '--min-time'"),  # issue 25: every cell erred
     (["--max-time", "1e308"], "Invalid value for '--max-time'"),
-    (["--what", "model", "--heads", "4"], "apply to --what attention"),
+    (["--what", "model", "--heads", "4"], "only for --what attention"),
     (["--what", "model", "--seq-lens", "128"], "128 exceeds max_seq_len=64"),
     (["--what", "model", "--kernels", "sdpa-flash"], "choose from naive, sdpa"),
     (["--plot", "p.jpg"], "the file name must end in .png"),

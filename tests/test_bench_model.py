@@ -66,4 +66,4 @@ def test_bench_attention_takes_the_configs_kv_heads(cli):
     assert bad.exit_code == 2 and "must divide the 6 query heads" in bad.stderr
     model = cli("bench", "--what", "model", "--preset", "llama-tiny", "--kv-heads", "2",
                 "--seq-lens", "16")
-    assert model.exit_code == 2 and "apply to --what attention" in model.stderr
+    assert model.exit_code == 2 and "only for --what attention" in model.stderr

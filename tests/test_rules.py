@@ -104,6 +104,13 @@ PLANTED = "open(__file__ + '.imported', 'w').close()\n\ndef build():\n    raise 
     (["masks", "--model", "{m}", "--input", "src=int64[B,S]", "--lengths", "src=5,3",
       "--mask", "src=additive"], "--mask src=additive: --lengths names src as a sequence"),
     (["config", "--fields", "--markdown", "--json"], "--markdown and --json: give one"),
+    # and by a hostile sweep: ignored, said as the wrong mistake, or accepted meaning nothing
+    (["bench", "--model", "hf:examples/llama-tiny", "--attn-implementation", "eager"],
+     "--attn-implementation: --what attention times the attention core alone"),
+    (["bench", "--strategy", "ddp", "-p", "tiny", "--pass", "fwd"],
+     "--strategy: for the ranks of --nproc N"),
+    (["params", "--param-count", "7e9", "--dtype", "int8"],
+     "--param-count with --dtype int8: the per-rank plan sizes a training step"),
 ])
 def test_a_combination_is_refused_by_the_table_before_any_model_is_imported(
         cli, tmp_path, monkeypatch, args, refusal):

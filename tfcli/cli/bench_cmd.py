@@ -53,6 +53,9 @@ RULES = Rules(
     Rule("tokens", Needs(lambda v: not v.typed("batch_size"), "not with --batch-size",
                          "{option} and --batch-size: give one (with --tokens, batch = tokens / "
                          "L)")),
+    Rule(("strategy", "backend"), Needs(
+        lambda v: v.nproc is not None or v.torchrun is not None, "only with --nproc",
+        "{option}: for the ranks of --nproc N (on this machine) only; add --nproc N")),
     # what the ranks do not read: they run a fixed number of training steps of the model
     Rule(("pass_", "kernels", "device", "dtype", "tokens", "tgt_len", "heads", "head_dim",
           "kv_heads", "causal", "threads", "min_time", "max_time", "calibrate", "plot", "profile",
@@ -63,7 +66,7 @@ RULES = Rules(
         "--csv")),
     Rule(("heads", "head_dim", "kv_heads", "causal"), Needs(
         lambda v: v.what == "attention", "only with --what attention",
-        "{option}: apply to --what attention only; the model's own come from its "
+        "{option}: only for --what attention; the model's own come from its "
         "configuration")),
     Rule("tgt_len", Needs(lambda v: v.what == "model", "only with --what model",
                           "applies to --what model")),
@@ -73,13 +76,14 @@ RULES = Rules(
     Rule("dim", Needs(lambda v: False, "not in bench: --batch-size and --seq-lens set the sizes",
                       "{option}: bench sets B from --batch-size and every length letter from "
                       "--seq-lens")),
-    Rule(("strategy", "backend"), Needs(
-        lambda v: v.nproc is not None or v.torchrun is not None, "only with --nproc",
-        "{option}: for the ranks of --nproc N (on this machine) only; add --nproc N")),
     Rule("nproc", Needs(lambda v: v.what == "model", "only with --what model",
                         "runs training steps of the model: add --what model"),
          own_model("needs tfcli's own configuration (--preset/--config/--set): its layers are "
                    "what DDP, FSDP and tensor parallelism are applied to")),
+    Rule(("attn_implementation", "hf_class"), Needs(
+        lambda v: v.what == "model", "only with --what model",
+        "{option}: --what attention times the attention core alone, sized from the config's "
+        "heads; add --what model to run the model")),
     Rule("model_ref", Needs(
         lambda v: v.what == "model" or v.model_ref.startswith("hf:"),
         "with --what attention: only hf:PATH",

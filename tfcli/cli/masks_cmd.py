@@ -51,7 +51,7 @@ RULES = Rules(
     Rule("batch_index", Needs(
         lambda v: not v.json_out or v.png is not None, "not with --json alone",
         "{option} {value} picks the sequence drawn; --json holds every sequence (use it with "
-        "the table or --png)")),
+        "the table, or --png for tfcli's own model)")),
     Rule(("src_lens", "tgt_lens", "src_ids", "tgt_ids"), own_model(
         "{option} describe tfcli's own model's batch; for --model use --lengths "
         "NAME=N,N and --pad-id")),
@@ -177,7 +177,8 @@ def masks(
     for side in ("src", "tgt"):
         lens, ids = by_side[side]
         if side not in sides_present and (lens is not None or ids is not None):
-            raise TfcliError(f"--{side}-lens/--{side}-ids: this {cfg.kind} model has no "
+            raise TfcliError(f"--{side}-{'lens' if lens is not None else 'ids'}: this "
+                             f"{cfg.kind} model has no "
                              f"{'source' if side == 'src' else 'target'} side")
 
     sides: dict[str, Padding] = {}

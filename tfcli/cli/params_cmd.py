@@ -108,8 +108,8 @@ def _per_rank(v) -> str | None:
 JSON_BYTES_PER_ROW = 5 * 1024  # a module or buffer in --json, at the peak of making it
 STEP = Needs(lambda v: v.seq_len is not None or (v.inference and v.fit_ is Fit.seq_len)
              or v.sized_without_length,
-             "only with --seq-len (with --inference: or --fit seq-len), or a sequence-free "
-             "--model's --batch-size",
+             "only with --seq-len (or --inference --fit seq-len), or a sequence-free --model's "
+             "--batch-size",
              "applies to the memory of a step: add --seq-len L (and --batch-size B; a --model "
              "whose inputs have no sequence: --batch-size B alone; one whose factory returns "
              "example inputs, which keep their sizes: --seq-len, which then sizes nothing)")
@@ -360,7 +360,7 @@ RULES = Rules(
     Rule("fit_", Needs(_floating, "not with --dtype int8",
                        "{option} {value} with --dtype int8: the search replays steps, whose "
                        "activations need a floating dtype (int8 is counted for weights only)")),
-    Rule(("parallel", "checkpointing", "micro_batches", "device_memory"), Needs(
+    Rule(("parallel", "checkpointing", "micro_batches", "device_memory", "param_count"), Needs(
         lambda v: v.per_rank is None or _floating(v), "not with --dtype int8",
         "{option} with --dtype int8: the per-rank plan sizes a training step, which needs a "
         "floating dtype (int8 is counted for weights only)")),
