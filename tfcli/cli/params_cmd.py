@@ -187,22 +187,11 @@ def _units_chosen(v) -> bool:
     return par.zero == 3 or par.pp > 1 or v.checkpointing is not None
 
 
-def _experts_split(v) -> int:
-    from tfcli.parallel.layout import parse_parallel
+def _layout(v):
+    """--parallel parsed (tfcli.parallel.layout.Parallel), or one device's layout without it."""
+    from tfcli.parallel.layout import Parallel, parse_parallel
 
-    return parse_parallel(v.parallel).ep if v.parallel is not None else 1
-
-
-def _zero_stage(v) -> int:
-    from tfcli.parallel.layout import parse_parallel
-
-    return parse_parallel(v.parallel).zero if v.parallel is not None else 0
-
-
-def _tensor_ranks(v) -> int:
-    from tfcli.parallel.layout import parse_parallel
-
-    return parse_parallel(v.parallel).tp if v.parallel is not None else 1
+    return parse_parallel(v.parallel) if v.parallel is not None else Parallel()
 
 
 def _rank_timeline(v) -> str | None:
@@ -373,13 +362,12 @@ RULES = Rules(
         lambda v: v.expert_ranks == 1, "not with ep",
         "{option} with --parallel ep={v.expert_ranks}: a stated size has no experts to split; "
         "give the model (--model) instead")),
-    derived={"per_rank": _per_rank, "model_split": _model_split,
-             "expert_ranks": _experts_split,
-             "zero_stage": _zero_stage,
+    derived={"per_rank": _per_rank, "model_split": _model_split, "layout": _layout,
+             "expert_ranks": lambda v: v.layout.ep, "zero_stage": lambda v: v.layout.zero,
              "plan_asked": lambda v: v.parallel or v.per_rank,  # dp=2, or the option
              "dim_set_elsewhere": _dim_set_elsewhere,
              "pipelined": lambda v: _model_split(v, ("pp",)) is not None,
-             "tensor_ranks": _tensor_ranks,
+             "tensor_ranks": lambda v: v.layout.tp,
              # context-parallel ranks step the same shards as data-parallel ones
              "data_parallel_only": lambda v: _model_split(v, ("tp", "pp", "ep")) is None,
              "rank_timeline": lambda v: _rank_timeline(v),
