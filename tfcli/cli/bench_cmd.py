@@ -36,7 +36,8 @@ class _WriteFailed(Exception):
     """An output could not be written mid-sweep: the sweep ends, the table is still printed."""
 
 
-def _torchrun_world() -> int | None:
+def _torchrun_world(v) -> int | None:
+    """WORLD_SIZE when torchrun started this process as one of its ranks."""
     from tfcli.parallel.bench import torchrun_world
 
     return torchrun_world()
@@ -89,7 +90,7 @@ RULES = Rules(
         "with --what attention: only hf:PATH",
         "{option} {value}: --what attention times the attention core alone, sized by "
         "--heads/--head-dim, and uses nothing of the module; add --what model")),
-    derived={"torchrun": lambda v: _torchrun_world(), "ranks": _ranks},
+    derived={"torchrun": _torchrun_world, "ranks": _ranks},
 )
 
 

@@ -82,7 +82,7 @@ RULES = Rules(
                "with --model: only with --lengths or --causal",
                "pads the sequences --lengths describes (and keeps the tokens --causal's check "
                "changes off it); add --lengths NAME=N,N or --causal NAME")),
-    Rule("mask", Needs(lambda v: not _names(v.mask) & _names(v.lengths),
+    Rule("mask", Needs(lambda v: not v.mask_and_lengths,
                        "not for an input --lengths names",
                        "{option} {value}: --lengths names {v.mask_and_lengths} as a sequence, not "
                        "a mask argument; give it to one of them")),

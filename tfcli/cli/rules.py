@@ -77,8 +77,8 @@ class Rule:
 class Rules:
     """A command's table: rules in the order they are checked, and the derived values their
     conditions read (``derived``: name -> function of the values). A table may hold another
-    (the options every command shares, tfcli.cli.options.SUBJECT_RULES): its rules are
-    checked where it stands, and its derived values are added."""
+    (the options every command that takes a model shares, tfcli.cli.options.SUBJECT_RULES):
+    its rules are checked where it stands, and its derived values are added."""
 
     def __init__(self, *rules: "Rule | Rules",
                  derived: dict[str, Callable[[Values], Any]] | None = None):
